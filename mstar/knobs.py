@@ -1,0 +1,190 @@
+"""Every MSTAR_* setting, in one table.
+
+The table is the single source of truth: README's knob table is generated from it
+(`python -m mstar.runtime.knobs --markdown`), values are parsed once from the
+environment, and a bad value or an unknown MSTAR_* name stops the process at start-up
+with the knob's name in the message.
+
+This module sits below `mstar.ops` so that every layer can read knobs without
+depending upward; `mstar.runtime.knobs` is its command-line face.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+
+class KnobError(ValueError):
+    """A MSTAR_* environment variable is unknown or has a value its knob rejects."""
+
+
+def _parse_bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 0/1/true/false")
+
+
+def _parse_int(raw: str) -> int:
+    return int(raw.strip(), 10)
+
+
+def _parse_str(raw: str) -> str:
+    return raw.strip()
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    type: str  # "bool" | "int" | "str" | "choice"
+    default: Any
+    meaning: str
+    choices: tuple = ()
+    minimum: int | None = None
+
+    def parse(self, raw: str) -> Any:
+        try:
+            if self.type == "bool":
+                return _parse_bool(raw)
+            if self.type == "int":
+                v = _parse_int(raw)
+                if self.minimum is not None and v < self.minimum:
+                    raise ValueError(f"must be >= {self.minimum}")
+                if self.choices and v not in self.choices:
+                    raise ValueError(f"must be one of {list(self.choices)}")
+                return v
+            if self.type == "choice":
+                v = _parse_str(raw)
+                if v not in self.choices:
+                    raise ValueError(f"must be one of {list(self.choices)}")
+                return v
+            return _parse_str(raw)
+        except ValueError as e:
+            raise KnobError(f"{self.name}={raw!r}: {e}") from None
+
+
+# The table. Keep it sorted by area; every entry needs a test (tests/test_knobs.py checks
+# that each knob parses its default and rejects garbage where it has a type).
+KNOBS: tuple[Knob, ...] = (
+    # --- op layer -------------------------------------------------------------------------
+    Knob("MSTAR_BACKENDS", "str", "",
+         "Per-op backend choice, e.g. 'rms_norm=triton,gdn_prefill=fla' or '*=reference'. "
+         "Empty: each op uses its fastest available backend for the tensor's device."),
+    Knob("MSTAR_VERIFY", "bool", False,
+         "Run the reference beside the selected backend on live inputs and record the largest "
+         "difference per op (`mstar.ops.verify_report()`). Slow; for checking kernels."),
+    # --- compile caches --------------------------------------------------------------------
+    Knob("MSTAR_KERNEL_CACHE", "str", "",
+         "Root of the on-disk compile caches (CuTe AOT objects, Triton, Inductor, FlashInfer). "
+         "Empty: ./kernel_cache in the working directory."),
+    Knob("MSTAR_CUTE_RUNTIME_LIB", "str", "",
+         "Path to libcute_dsl_runtime.so for loading CuTe kernels compiled ahead of time."),
+    # --- runtime ---------------------------------------------------------------------------
+    Knob("MSTAR_PAGE_SIZE", "int", 16,
+         "Tokens per KV page (also the prefix-cache granule and GDN snapshot stride).",
+         minimum=1),
+    Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
+         choices=("debug", "info", "warning", "error")),
+)
+
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+# Set by other tools in the MSTAR_ namespace that are not knobs of this process.
+_FOREIGN: frozenset[str] = frozenset()
+
+_values: dict[str, Any] | None = None
+_overrides: list[dict[str, Any]] = []
+
+
+def parse_environment(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Parse every knob from `environ`; raise KnobError naming the first bad one."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name in sorted(env):
+        if name.startswith("MSTAR_") and name not in _BY_NAME and name not in _FOREIGN:
+            raise KnobError(f"{name}: unknown knob (see `python -m mstar.runtime.knobs`)")
+    for knob in KNOBS:
+        raw = env.get(knob.name)
+        out[knob.name] = knob.default if raw is None else knob.parse(raw)
+    return out
+
+
+def value(name: str) -> Any:
+    """The knob's value for this process (parsed once, on first use)."""
+    global _values
+    for layer in reversed(_overrides):
+        if name in layer:
+            return layer[name]
+    if _values is None:
+        _values = parse_environment()
+    try:
+        return _values[name]
+    except KeyError:
+        raise KnobError(f"{name}: unknown knob") from None
+
+
+def reload(environ: dict[str, str] | None = None) -> None:
+    """Re-read the environment (tests; a server re-reading after argument parsing)."""
+    global _values
+    _values = parse_environment(environ)
+    for hook in _reload_hooks:
+        hook()
+
+
+_reload_hooks: list[Callable[[], None]] = []
+
+
+def on_change(hook: Callable[[], None]) -> None:
+    """Register a callback run when knob values change (reload or override)."""
+    _reload_hooks.append(hook)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily set knobs by name, e.g. `override(MSTAR_VERIFY=True)` (tests)."""
+    for name, v in values.items():
+        if name not in _BY_NAME:
+            raise KnobError(f"{name}: unknown knob")
+        knob = _BY_NAME[name]
+        if isinstance(v, str) and knob.type != "str":
+            values[name] = knob.parse(v)
+    _overrides.append(dict(values))
+    for hook in _reload_hooks:
+        hook()
+    try:
+        yield
+    finally:
+        _overrides.pop()
+        for hook in _reload_hooks:
+            hook()
+
+
+def table_rows() -> list[tuple[str, str, str, str]]:
+    rows = []
+    for k in KNOBS:
+        default = k.default
+        if isinstance(default, bool):
+            default = int(default)
+        dflt = repr(default) if isinstance(default, str) else str(default)
+        typ = k.type if not k.choices else f"{k.type}: {'/'.join(map(str, k.choices))}"
+        rows.append((k.name, typ, dflt, k.meaning))
+    return rows
+
+
+def format_table(markdown: bool = False) -> str:
+    rows = table_rows()
+    if markdown:
+        lines = ["| knob | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{n}` | {t} | `{d}` | {m} |" for n, t, d, m in rows]
+        return "\n".join(lines)
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    head = ("knob", "type", "default", "meaning")
+    w = [max(w[i], len(head[i])) for i in range(3)]
+    lines = ["  ".join(head[i].ljust(w[i]) for i in range(3)) + "  " + head[3]]
+    for r in rows:
+        lines.append("  ".join(r[i].ljust(w[i]) for i in range(3)) + "  " + r[3])
+    return "\n".join(lines)

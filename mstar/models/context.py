@@ -1,0 +1,120 @@
+"""The per-step contract between the runtime and a model.
+
+A model never imports the scheduler. It declares what per-sequence memory it needs
+(`CacheSpec`), receives the allocated tensors once (`ModelCaches`, bound before the first
+step and never reallocated, so CUDA graphs can capture them), and reads everything that
+changes per step from one `ForwardContext` that the runtime fills.
+
+Token layout of a step: the flattened tokens of all rows, decode rows first (exactly one
+token each), then prefill rows (one or more new tokens each, possibly a chunk of a longer
+prompt that continues a history already in the caches). `num_decode_tokens` splits the
+two parts; ops for the decode part and the prefill part are called on the two slices.
+
+Paged KV layout (per full-attention layer): k_cache, v_cache of shape
+[num_pages, page_size, num_kv_heads, head_dim]. A sequence's pages are listed in
+`kv_indices[kv_indptr[i]:kv_indptr[i+1]]`; its last page holds `kv_last_page_len[i]`
+tokens (1..page_size). The KV of a step's new tokens is written first (slot_mapping:
+flat slot = page * page_size + offset), so the kv lengths include the new tokens, and a
+row's queries are the last `qo_len` positions of its kv sequence (causal).
+
+Recurrent state (per Gated DeltaNet layer): conv state pool [num_slots, conv_dim, K-1]
+(the last K-1 inputs, oldest first) and recurrent state pool [num_slots, Hv, Dk, Dv]
+(fp32). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
+slots (for the prefix cache) come from the same pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StateLayerSpec:
+    conv_dim: int
+    conv_kernel: int  # K; the pool keeps K-1 inputs
+    num_heads: int  # value heads Hv
+    key_dim: int
+    value_dim: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one sequence needs, per layer kind, in the order the model's layers use them."""
+
+    attention: tuple[AttentionLayerSpec, ...] = ()
+    state: tuple[StateLayerSpec, ...] = ()
+    state_dtype: torch.dtype = torch.float32  # recurrent state dtype
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        es = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_dim * es for a in self.attention)
+
+    def state_bytes_per_sequence(self, conv_dtype: torch.dtype) -> int:
+        ces = torch.empty((), dtype=conv_dtype).element_size()
+        ses = torch.empty((), dtype=self.state_dtype).element_size()
+        return sum(s.conv_dim * (s.conv_kernel - 1) * ces + s.num_heads * s.key_dim * s.value_dim * ses
+                   for s in self.state)
+
+
+@dataclass
+class ModelCaches:
+    """Tensors allocated by the runtime from a CacheSpec; bound to the model once."""
+
+    k_caches: list[torch.Tensor] = field(default_factory=list)  # per attention layer
+    v_caches: list[torch.Tensor] = field(default_factory=list)
+    conv_states: list[torch.Tensor] = field(default_factory=list)  # per GDN layer
+    recurrent_states: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class AttentionMetadata:
+    """Shared by every full-attention layer of a step. Index tensors are int32 on the
+    model's device; the *_indptr arrays have one entry more than rows."""
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
+    # decode rows (the first num_decode_tokens tokens, one per row)
+    decode_kv_indptr: torch.Tensor
+    decode_kv_indices: torch.Tensor
+    decode_kv_last_page_len: torch.Tensor
+    # prefill rows (the remaining tokens)
+    prefill_qo_indptr: torch.Tensor  # relative to the first prefill token
+    prefill_kv_indptr: torch.Tensor
+    prefill_kv_indices: torch.Tensor
+    prefill_kv_last_page_len: torch.Tensor
+
+
+@dataclass
+class StateMetadata:
+    """Shared by every Gated DeltaNet layer of a step. int32 / int64 tensors on device."""
+
+    decode_slots: torch.Tensor  # [num_decode] int64
+    prefill_cu_seqlens: torch.Tensor  # [P + 1] int32, relative to the first prefill token
+    prefill_slots: torch.Tensor  # [P] int64
+    # Prefix-cache snapshots: after prefill token snap_token_idx[j] (index relative to the
+    # first prefill token, inclusive) copy the state into slot snap_slots[j]. May be empty.
+    snap_token_idx: torch.Tensor  # [S] int64
+    snap_slots: torch.Tensor  # [S] int64
+
+
+@dataclass
+class ForwardContext:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: position of each token in its sequence
+    num_decode_tokens: int
+    attn: AttentionMetadata | None = None  # None when the model has no attention layers
+    state: StateMetadata | None = None  # None when the model has no GDN layers
+    # Rows of the hidden states to compute logits for (the last token of each row that
+    # samples this step); the runtime passes them to model.compute_logits.
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,16 @@
+"""mstar's custom-op layer. Import ops from here: `from mstar import ops; ops.rms_norm(...)`.
+
+Every op is an `OpEntry` (callable): a `torch.ops.mstar.<name>` custom op with a plain-torch
+reference and any faster backends registered for it. See registry.py. Each op module
+lists its public ops in `__all__`.
+"""
+
+from mstar.ops.registry import (all_ops, format_table, get, register_backend, reset_verify_report,
+                                validate_selection, verify_report)
+from mstar.ops.norm import *  # noqa: F401,F403
+from mstar.ops.activation import *  # noqa: F401,F403
+from mstar.ops.rotary import *  # noqa: F401,F403
+from mstar.ops.attention import *  # noqa: F401,F403
+from mstar.ops.conv1d import *  # noqa: F401,F403
+from mstar.ops.gdn import *  # noqa: F401,F403
+from mstar.ops.sampling import *  # noqa: F401,F403
