@@ -76,8 +76,10 @@ class ModelCaches:
 
 @dataclass
 class AttentionMetadata:
-    """Shared by every full-attention layer of a step. Index tensors are int32 on the
-    model's device; the *_indptr arrays have one entry more than rows."""
+    """Shared by every full-attention layer of a step. Index tensors are int32; the
+    *_indptr arrays have one entry more than rows. kv_indices and slot_mapping live on the
+    model's device; the *_indptr and *_last_page_len arrays may live on the host (CPU) when
+    the model is on CUDA, so that attention backends plan from them without a device sync."""
 
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes
     # decode rows (the first num_decode_tokens tokens, one per row)

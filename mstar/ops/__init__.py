@@ -14,3 +14,8 @@ from mstar.ops.attention import *  # noqa: F401,F403
 from mstar.ops.conv1d import *  # noqa: F401,F403
 from mstar.ops.gdn import *  # noqa: F401,F403
 from mstar.ops.sampling import *  # noqa: F401,F403
+
+# Faster backends register themselves where they can run (CUDA + their package); no-op on CPU.
+from mstar.ops import backends as _backends  # noqa: E402
+
+_backends.load()

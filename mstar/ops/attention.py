@@ -1,3 +1,149 @@
-"""(being written)"""
+"""Paged-KV attention: append a step's K/V into the page pool, then attend.
 
-__all__: list[str] = []
+Layout (see mstar/models/context.py): k_cache, v_cache [num_pages, page_size, Hkv, D].
+A row's kv sequence is the pages kv_indices[kv_indptr[i]:kv_indptr[i+1]] in order, the
+last holding kv_last_page_len[i] tokens (1..page_size), so
+    kv_len[i] = (num_pages_i - 1) * page_size + kv_last_page_len[i].
+The new tokens' K/V are appended before attention, so kv_len counts them and a row with
+qo_len n has its queries at positions kv_len - n .. kv_len - 1, each attending causally
+to kv positions <= its own. GQA: query head h reads kv head h // (Hq // Hkv).
+Index tensors (indptr, indices, last_page_len) are int32; slot_mapping is int64.
+indptr and last_page_len may be host (CPU) tensors while q and the caches are on CUDA:
+backends that plan on the host (FlashInfer) then read them without a device sync.
+
+The references below are the CPU path and the ground truth: they loop over rows in Python
+(each row is one batched matmul over its heads), with scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.ops.registry import define_op
+
+
+# --- kv_append ------------------------------------------------------------------------------
+def _kv_append_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write k[t], v[t] ([T, Hkv, D]) at flat slot slot_mapping[t] = page * page_size + offset
+    (cast to the cache dtype); tokens with a negative slot (padding) are skipped."""
+    if k.shape[0] == 0:
+        return
+    page_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    pages = torch.div(slots, page_size, rounding_mode="floor")
+    offs = slots - pages * page_size
+    # index_put_ on (page, offset) works for any cache strides and writes in place.
+    k_cache.index_put_((pages, offs), k.to(k_cache.dtype))
+    v_cache.index_put_((pages, offs), v.to(v_cache.dtype))
+
+
+def _kv_append_fake(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+kv_append = define_op(
+    "kv_append",
+    "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+    reference=_kv_append_ref, fake=_kv_append_fake)
+
+
+# --- attention over pages -------------------------------------------------------------------
+def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                   kv_len: int, scale: float, out: torch.Tensor) -> None:
+    """One row: q [n, Hq, D] (the last n positions of the row's kv sequence) -> out [n, Hq, D]."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    # gather the row's pages and drop the unused tail of the last one: [L, Hkv, D] -> [Hkv, L, D]
+    k = k_cache.index_select(0, pages).flatten(0, 1)[:kv_len].float().transpose(0, 1)
+    v = v_cache.index_select(0, pages).flatten(0, 1)[:kv_len].float().transpose(0, 1)
+    # queries grouped by their kv head: [Hkv, g * n, D], index (kv head, group member, token)
+    qh = q.float().reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+    s = torch.bmm(qh, k.transpose(1, 2)).mul_(scale)  # [Hkv, g * n, L]
+    if n > 1:
+        qpos = torch.arange(kv_len - n, kv_len, device=q.device)
+        kpos = torch.arange(kv_len, device=q.device)
+        future = kpos[None, :] > qpos[:, None]  # [n, L]
+        s.view(hkv, g, n, kv_len).masked_fill_(future, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.bmm(p, v)  # [Hkv, g * n, D]
+    out.copy_(o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d))
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"paged attention: q heads/dim {tuple(q.shape[1:])} do not fit kv cache "
+                         f"heads/dim {tuple(k_cache.shape[2:])} (Hq must be a multiple of Hkv)")
+
+
+def _paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                                 kv_last_page_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ragged query rows q [T, Hq, D] over their paged kv -> [T, Hq, D]."""
+    out = q.new_zeros(q.shape)
+    rows = max(qo_indptr.shape[0] - 1, 0)
+    if rows == 0 or q.shape[0] == 0:
+        return out
+    _check_heads(q, k_cache)
+    page_size = k_cache.shape[1]
+    qo = qo_indptr.tolist()
+    kvp = kv_indptr.tolist()
+    last = kv_last_page_len.tolist()
+    indices = kv_indices.long()
+    for i in range(rows):
+        q0, q1 = qo[i], qo[i + 1]
+        if q1 == q0:
+            continue
+        p0, p1 = kvp[i], kvp[i + 1]
+        kv_len = (p1 - p0 - 1) * page_size + last[i]
+        _row_attention(q[q0:q1], k_cache, v_cache, indices[p0:p1], kv_len, scale, out[q0:q1])
+    return out
+
+
+def _paged_attention_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                  scale):
+    return q.new_empty(q.shape)
+
+
+paged_attention_prefill = define_op(
+    "paged_attention_prefill",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
+    "Tensor kv_last_page_len, float scale) -> Tensor",
+    reference=_paged_attention_prefill_ref, fake=_paged_attention_prefill_fake)
+
+
+def _paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                                kv_last_page_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row, q [B, Hq, D], attending to the row's whole paged kv -> [B, Hq, D]."""
+    out = q.new_zeros(q.shape)
+    rows = min(max(kv_indptr.shape[0] - 1, 0), q.shape[0])
+    if rows == 0:
+        return out
+    _check_heads(q, k_cache)
+    page_size = k_cache.shape[1]
+    kvp = kv_indptr.tolist()
+    last = kv_last_page_len.tolist()
+    indices = kv_indices.long()
+    for i in range(rows):
+        p0, p1 = kvp[i], kvp[i + 1]
+        kv_len = (p1 - p0 - 1) * page_size + last[i]
+        _row_attention(q[i:i + 1], k_cache, v_cache, indices[p0:p1], kv_len, scale, out[i:i + 1])
+    return out
+
+
+def _paged_attention_decode_fake(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
+    return q.new_empty(q.shape)
+
+
+paged_attention_decode = define_op(
+    "paged_attention_decode",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indptr, Tensor kv_indices, "
+    "Tensor kv_last_page_len, float scale) -> Tensor",
+    reference=_paged_attention_decode_ref, fake=_paged_attention_decode_fake)
+
+__all__ = ["kv_append", "paged_attention_prefill", "paged_attention_decode"]

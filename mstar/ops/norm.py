@@ -9,13 +9,16 @@ from mstar.ops.registry import define_op
 
 
 def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """y = x / rms(x) * w  (w -> 1 + w when zero_centered, Qwen3.5's form)."""
+    """y = x / rms(x) * w  (w -> 1 + w when zero_centered, Qwen3.5's form).
+
+    Rounding follows transformers so bf16 results match bit for bit: the plain form rounds
+    the normalised x to the input dtype before the weight (Qwen3RMSNorm), the zero-centred
+    form multiplies in float32 and rounds once (Qwen3_5RMSNorm)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    w = weight.float()
     if zero_centered:
-        w = 1.0 + w
-    return (y * w).to(x.dtype)
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return (y.to(x.dtype).float() * weight.float()).to(x.dtype)
 
 
 def _rms_norm_fake(x, weight, eps, zero_centered):

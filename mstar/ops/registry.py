@@ -58,6 +58,7 @@ class OpEntry:
     overload: Any  # torch._ops.OpOverload
     backends: dict[str, Backend] = field(default_factory=dict)
     mutated_args: tuple[int, ...] = ()
+    returns_nothing: bool = False
     _resolved: dict[str, Backend] = field(default_factory=dict)
 
     # --- selection ----------------------------------------------------------------------
@@ -80,8 +81,10 @@ class OpEntry:
     def _impl(self, device: str, args: tuple):
         backend = self.resolve(device)
         if _verify_enabled[0] and backend.name != "reference":
-            return _verified_call(self, backend, args)
-        return backend.fn(*args)
+            out = _verified_call(self, backend, args)
+        else:
+            out = backend.fn(*args)
+        return None if self.returns_nothing else out
 
 
 _OPS: dict[str, OpEntry] = {}
@@ -108,7 +111,8 @@ def define_op(name: str, schema: str, *, reference: Callable, fake: Callable,
     mutated = tuple(i for i, a in enumerate(overload._schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
     entry = OpEntry(name=name, schema=schema, doc=doc or (reference.__doc__ or "").strip().split("\n")[0],
-                    overload=overload, mutated_args=mutated)
+                    overload=overload, mutated_args=mutated,
+                    returns_nothing=len(overload._schema.returns) == 0)
     entry.backends["reference"] = Backend("reference", reference, _DEVICES, lambda: True, 0,
                                           "plain torch")
     for dev in _DEVICES:
@@ -201,6 +205,8 @@ def _clone_arg(a):
 
 
 def _max_diff(a, b) -> float:
+    if a is None or b is None:
+        return 0.0
     if isinstance(a, torch.Tensor):
         if a.numel() == 0:
             return 0.0

@@ -1,3 +1,65 @@
-"""(being written)"""
+"""Rotary position embedding (NeoX / rotate-half layout), full or partial.
 
-__all__: list[str] = []
+The cos/sin table is built once per model (`build_cos_sin_cache`) and indexed per token by
+its position, so rows of a step may sit at any positions. Layout of the table:
+[max_positions, rotary_dim] float32, cos(pos * inv_freq) in [:, :rotary_dim // 2] and
+sin(pos * inv_freq) in [:, rotary_dim // 2:].
+
+Within each head, the first `rotary_dim` dims are rotated: with r = rotary_dim // 2,
+element i < r pairs with element i + r (x1 = x[:r], x2 = x[r:rotary_dim]):
+    out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin
+and dims rotary_dim.. pass through unchanged (partial rotary, e.g. Qwen3.5 rotates the
+first 64 of 256). This equals transformers' `apply_rotary_pos_emb` with default rope.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.ops.registry import define_op
+
+
+def build_cos_sin_cache(max_positions: int, rotary_dim: int, base: float, device=None) -> torch.Tensor:
+    """The [max_positions, rotary_dim] float32 cos|sin table of default rope
+    (inv_freq = 1 / base ** (arange(0, rotary_dim, 2) / rotary_dim), as transformers)."""
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    # Computed on the CPU (as transformers computes inv_freq) so every device gets the same table.
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]  # the same fp32 products as transformers
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, 1, rotary_dim // 2] float32. Fresh contiguous x.dtype tensor."""
+    r = rotary_dim // 2
+    xf = x.float()
+    x1 = xf[..., :r]
+    x2 = xf[..., r:rotary_dim]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rotary_dim < x.shape[-1]:
+        parts.append(xf[..., rotary_dim:])
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
+def _rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated at `positions` over the first rotary_dim dims of each head (NeoX layout)."""
+    cs = cos_sin_cache.index_select(0, positions.long()).float()  # [T, rotary_dim]
+    r = rotary_dim // 2
+    cos = cs[:, None, :r]
+    sin = cs[:, None, r:rotary_dim]
+    return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+
+
+def _rotary_embedding_fake(positions, q, k, cos_sin_cache, rotary_dim):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+rotary_embedding = define_op(
+    "rotary_embedding",
+    "(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)",
+    reference=_rotary_embedding_ref, fake=_rotary_embedding_fake)
+
+__all__ = ["rotary_embedding", "build_cos_sin_cache"]

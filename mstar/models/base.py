@@ -1,0 +1,271 @@
+"""The decoder-only causal LM scaffolding shared by mstar's models.
+
+A model is `DecoderLM` plus the layers its subclass builds. The base class owns what
+every model does the same way: embedding, the pre-norm residual stream (fused
+add + RMSNorm between sub-layers), the final norm, the LM head (tied or not), binding
+the runtime's caches, loading checkpoint tensors by name, and random initialisation.
+
+The runtime-facing API (keep it stable):
+    cache_spec() -> CacheSpec          bind_caches(ModelCaches)
+    forward(ForwardContext) -> [T, hidden] hidden states after the final norm
+    compute_logits(hidden) -> [N, vocab] float32
+    load_weights(iterable of (name, tensor))
+    eos_token_ids, config, dtype, device
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from mstar.models.context import CacheSpec, ForwardContext, ModelCaches
+from mstar.models.layers import Embedding, Linear, QKNormAttention, RMSNorm, RotaryCache, weight_map
+
+log = logging.getLogger("mstar.models")
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not fit the model: a wrong shape, or missing tensors."""
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: mixer (attention or linear attention) then MLP, each with a residual.
+
+    The mixer is stored under the checkpoint's name for it (`self_attn` / `linear_attn`).
+    """
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float,
+                 zero_centered: bool):
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, ctx: ForwardContext, h: torch.Tensor, residual: torch.Tensor | None,
+                rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_forward(h, residual)
+        mixer = self.mixer
+        if isinstance(mixer, QKNormAttention):
+            h = mixer(ctx, x, rope)
+        else:
+            h = mixer(ctx, x)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
+
+
+class TextModel(nn.Module):
+    """Holds what checkpoints call `model.*`: embed_tokens, layers, norm."""
+
+    def __init__(self, vocab: int, hidden: int, layers: list[DecoderLayer], eps: float, zero_centered: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps, zero_centered)
+
+
+def _as_id_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
+class DecoderLM(nn.Module):
+    """Base class. Subclasses set up `self.model` (a TextModel) and call `_finish_init`."""
+
+    # checkpoint-name prefixes of multimodal checkpoints, rewritten to the text model's
+    _PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."), ("language_model.", "model."))
+    _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.",
+                        "model.multi_modal_projector.", "multi_modal_projector.")
+    _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+    zero_centered_norm = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.eos_token_ids: tuple[int, ...] = _as_id_tuple(getattr(config, "eos_token_id", None))
+        # MTP (multi-token prediction) tensors of the checkpoint, by name without "mtp.";
+        # kept for speculative decoding, unused by forward.
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self._weight_map = None
+        self._caches_bound = False
+
+    def _finish_init(self, rotary_dim: int, rope_theta: float) -> None:
+        cfg = self.config
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope = RotaryCache(cfg.max_position_embeddings, rotary_dim, rope_theta)
+        attn_i = state_i = 0
+        for layer in self.model.layers:
+            m = layer.mixer
+            if isinstance(m, QKNormAttention):
+                m.attn_index = attn_i
+                attn_i += 1
+            else:
+                m.state_index = state_i
+                state_i += 1
+
+    # --- properties -------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [l.mixer for l in self.model.layers if isinstance(l.mixer, QKNormAttention)]
+
+    @property
+    def state_layers(self) -> list[nn.Module]:
+        return [l.mixer for l in self.model.layers if not isinstance(l.mixer, QKNormAttention)]
+
+    # --- caches -----------------------------------------------------------------------------
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(attention=tuple(m.spec() for m in self.attention_layers),
+                         state=tuple(m.spec() for m in self.state_layers),
+                         state_dtype=torch.float32)
+
+    def bind_caches(self, caches: ModelCaches) -> None:
+        attn, state = self.attention_layers, self.state_layers
+        if len(caches.k_caches) != len(attn) or len(caches.v_caches) != len(attn):
+            raise ValueError(f"bind_caches: model has {len(attn)} attention layers, got "
+                             f"{len(caches.k_caches)} k and {len(caches.v_caches)} v caches")
+        if len(caches.conv_states) != len(state) or len(caches.recurrent_states) != len(state):
+            raise ValueError(f"bind_caches: model has {len(state)} state layers, got "
+                             f"{len(caches.conv_states)} conv and {len(caches.recurrent_states)} "
+                             f"recurrent pools")
+        for m, k, v in zip(attn, caches.k_caches, caches.v_caches):
+            if k.shape[-2:] != (m.num_kv_heads, m.head_dim) or v.shape != k.shape:
+                raise ValueError(f"bind_caches: attention layer {m.attn_index} wants "
+                                 f"[pages, page_size, {m.num_kv_heads}, {m.head_dim}], got k "
+                                 f"{tuple(k.shape)} v {tuple(v.shape)}")
+            m.k_cache, m.v_cache = k, v
+        for m, c, r in zip(state, caches.conv_states, caches.recurrent_states):
+            m.bind_state(c, r)
+        self._caches_bound = True
+
+    # --- forward ----------------------------------------------------------------------------
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        if not self._caches_bound:
+            raise RuntimeError("bind_caches() must be called before the first forward")
+        h = self.model.embed_tokens(ctx.input_ids)
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(ctx, h, residual, self.rope)
+        out, _ = self.model.norm.add_forward(h, residual)
+        return out
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+
+    # --- weights ----------------------------------------------------------------------------
+    def expected_weights(self) -> dict:
+        """{checkpoint name: WeightSlot} of every tensor a checkpoint must provide."""
+        if self._weight_map is None:
+            wm = weight_map(self)
+            self._weight_map = {k: v for k, v in wm.items() if not k.startswith("rope.")}
+        return self._weight_map
+
+    def checkpoint_name(self, name: str) -> str:
+        for old, new in self._PREFIX_REWRITES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the model (converted to its dtype and device).
+
+        Raises WeightLoadError on a shape mismatch (naming the tensor) and, at the end, on
+        missing tensors. Vision tensors are skipped; `mtp.*` go to `self.mtp_weights`.
+        Returns the set of model weight names loaded.
+        """
+        expected = self.expected_weights()
+        loaded: set[str] = set()
+        vision_skipped = 0
+        unexpected: list[str] = []
+        dev, dt = self.device, self.dtype
+        with torch.no_grad():
+            for raw_name, tensor in named_tensors:
+                if raw_name.startswith(self._VISION_PREFIXES):
+                    vision_skipped += 1
+                    continue
+                name = self.checkpoint_name(raw_name)
+                if name.startswith("mtp."):
+                    self.mtp_weights[name[4:]] = tensor.to(device=dev, dtype=dt)
+                    continue
+                if name.endswith(self._IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and self.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                slot = expected.get(name)
+                if slot is None:
+                    unexpected.append(raw_name)
+                    continue
+                if tuple(tensor.shape) != slot.shape:
+                    raise WeightLoadError(f"checkpoint tensor {raw_name!r}: expected shape "
+                                          f"{list(slot.shape)}, found {list(tensor.shape)}")
+                slot.target().copy_(tensor)
+                loaded.add(name)
+        if vision_skipped:
+            log.info("skipped %d vision tensors (text model only)", vision_skipped)
+        if unexpected:
+            log.warning("ignored %d unexpected checkpoint tensors: %s%s", len(unexpected),
+                        ", ".join(unexpected[:8]), " ..." if len(unexpected) > 8 else "")
+        missing = sorted(set(expected) - loaded)
+        if missing:
+            raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors: "
+                                  f"{', '.join(missing[:16])}{' ...' if len(missing) > 16 else ''}")
+        return loaded
+
+    # --- init -------------------------------------------------------------------------------
+    def materialize(self, device: torch.device | str) -> None:
+        """Give meta parameters real (uninitialised) storage on `device`; build the rope table."""
+        if any(p.is_meta for p in self.parameters()):
+            self.to_empty(device=device)
+        self.rope.rebuild(device)
+        self._weight_map = None
+
+    def _init_param(self, name: str, p: torch.Tensor, module: nn.Module, std: float,
+                    gen: torch.Generator) -> None:
+        """Checkpoint-like init: norms at identity, biases zero, matrices N(0, std)."""
+        if isinstance(module, RMSNorm):
+            p.fill_(0.0 if module.zero_centered else 1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+    def init_random(self, seed: int = 0, std: float | None = None) -> None:
+        """Random weights, drawn on the model's device in its dtype (deterministic per device)."""
+        std = float(std if std is not None else getattr(self.config, "initializer_range", 0.02))
+        dev = self.device
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        with torch.no_grad():
+            for mod_name, module in self.named_modules():
+                for pname, p in module.named_parameters(recurse=False):
+                    self._init_param(pname, p, module, std, gen)
+
+    # --- stats ------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        """Text-model parameters (the tied head counted once), from shapes (works on meta)."""
+        return sum(math.prod(p.shape) for p in self.parameters())

@@ -1,0 +1,276 @@
+"""Building blocks shared by mstar's models, written against `mstar.ops` and plain torch.
+
+Parameter names follow the Hugging Face checkpoints so that most weights load by name.
+Where we fuse several checkpoint tensors into one matrix (q/k/v, gate/up, ...),
+`FusedLinear` records which rows of the fused weight each checkpoint tensor fills; the
+weight map (`weight_map`) turns that into {checkpoint name: destination} for the loader.
+
+Every forward takes the flattened tokens of one step ([T, ...], decode rows first, see
+context.py) and calls the *_decode op on the first `num_decode_tokens` rows and the
+*_prefill op on the rest, skipping a part that is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar import ops
+from mstar.models.context import AttentionLayerSpec, ForwardContext
+
+
+# --- weight map -------------------------------------------------------------------------------
+@dataclass
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows [offset, offset + rows) of `param`
+    (rows = None: the whole parameter)."""
+
+    param: torch.Tensor
+    offset: int = 0
+    rows: int | None = None
+
+    def target(self) -> torch.Tensor:
+        if self.rows is None:
+            return self.param
+        return self.param.narrow(0, self.offset, self.rows)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.rows is None:
+            return tuple(self.param.shape)
+        return (self.rows, *self.param.shape[1:])
+
+
+def weight_map(module: nn.Module) -> dict[str, WeightSlot]:
+    """{checkpoint tensor name: WeightSlot} for every parameter under `module`.
+
+    Parameters map to their own qualified name, except those of a FusedLinear, which map
+    from the names of the checkpoint tensors it fuses.
+    """
+    out: dict[str, WeightSlot] = {}
+    fused_params: set[int] = set()
+    for prefix, mod in module.named_modules():
+        if isinstance(mod, FusedLinear):
+            base = prefix.rsplit(".", 1)[0] + "." if "." in prefix else ""
+            off = 0
+            for shard, rows in zip(mod.shard_names, mod.shard_sizes):
+                out[f"{base}{shard}.weight"] = WeightSlot(mod.weight, off, rows)
+                if mod.bias is not None:
+                    out[f"{base}{shard}.bias"] = WeightSlot(mod.bias, off, rows)
+                off += rows
+            fused_params.add(id(mod.weight))
+            if mod.bias is not None:
+                fused_params.add(id(mod.bias))
+    for name, p in module.named_parameters():
+        if id(p) not in fused_params:
+            out[name] = WeightSlot(p)
+    return out
+
+
+# --- linear layers ----------------------------------------------------------------------------
+class FusedLinear(nn.Module):
+    """One matmul for several checkpoint projections of the same input.
+
+    `shard_names` are the checkpoint modules fused here (relative to the parent module,
+    e.g. ("q_proj", "k_proj", "v_proj")), `shard_sizes` their output features, stacked
+    along the output dim in that order.
+    """
+
+    def __init__(self, in_features: int, shard_names: Sequence[str], shard_sizes: Sequence[int],
+                 bias: bool = False):
+        super().__init__()
+        self.shard_names = tuple(shard_names)
+        self.shard_sizes = tuple(int(s) for s in shard_sizes)
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, shards={dict(zip(self.shard_names, self.shard_sizes))}"
+
+
+class Linear(nn.Module):
+    """nn.Linear without the init (weights come from a checkpoint or `init_random`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class ParamHolder(nn.Module):
+    """A module that only holds `weight` (e.g. a conv weight used through an op)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+# --- norms ------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; zero_centered: weight w acts as (1 + w) (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = float(eps)
+        self.zero_centered = bool(zero_centered)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); residual None: (norm(x), x)."""
+        if residual is None:
+            return self.forward(x), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+# --- MLP --------------------------------------------------------------------------------------
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one fused matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
+        super().__init__()
+        if act != "silu":
+            raise ValueError(f"unsupported MLP activation {act!r} (only silu)")
+        self.gate_up_proj = FusedLinear(hidden, ("gate_proj", "up_proj"), (intermediate, intermediate))
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+# --- rotary -----------------------------------------------------------------------------------
+def rope_settings(config) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from a transformers config (v5 rope_parameters
+    or the older top-level fields)."""
+    rp = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rp, dict):
+        rp = dict(rp)
+    theta = rp.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    if rtype not in ("default", None):
+        raise ValueError(f"rope_type {rtype!r} is not supported (only default RoPE)")
+    return float(theta), float(factor)
+
+
+class RotaryCache(nn.Module):
+    """Holds the [max_pos, rotary_dim] f32 cos|sin table as a non-persistent buffer."""
+
+    def __init__(self, max_positions: int, rotary_dim: int, base: float):
+        super().__init__()
+        self.max_positions = int(max_positions)
+        self.rotary_dim = int(rotary_dim)
+        self.base = float(base)
+        self.register_buffer("cos_sin_cache", torch.empty(self.max_positions, self.rotary_dim,
+                                                          dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() on the model must not round the table: rebuild it in float32
+        super()._apply(fn, recurse)
+        if self.cos_sin_cache.dtype != torch.float32:
+            if self.cos_sin_cache.is_meta:
+                self.cos_sin_cache = self.cos_sin_cache.to(torch.float32)
+            else:
+                self.rebuild()
+        return self
+
+    def rebuild(self, device: torch.device | str | None = None) -> None:
+        dev = device if device is not None else self.cos_sin_cache.device
+        if torch.device(dev).type == "meta":
+            return
+        self.cos_sin_cache = ops.build_cos_sin_cache(self.max_positions, self.rotary_dim, self.base,
+                                                     device=dev).to(torch.float32)
+
+
+# --- paged attention --------------------------------------------------------------------------
+def paged_attention(ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend: [T, Hq, D] -> [T, Hq, D]."""
+    md = ctx.attn
+    ops.kv_append(k, v, k_cache, v_cache, md.slot_mapping)
+    nd = ctx.num_decode_tokens
+    t = q.shape[0]
+    parts = []
+    if nd > 0:
+        parts.append(ops.paged_attention_decode(q[:nd], k_cache, v_cache, md.decode_kv_indptr,
+                                                md.decode_kv_indices, md.decode_kv_last_page_len, scale))
+    if t > nd:
+        parts.append(ops.paged_attention_prefill(q[nd:], k_cache, v_cache, md.prefill_qo_indptr,
+                                                 md.prefill_kv_indptr, md.prefill_kv_indices,
+                                                 md.prefill_kv_last_page_len, scale))
+    if not parts:
+        return q.new_empty(q.shape)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+class QKNormAttention(nn.Module):
+    """Full causal attention with per-head q/k RMSNorm, (partial) NeoX RoPE and GQA over a
+    paged KV cache (Qwen3, Qwen3.5). `output_gate`: q_proj also yields a per-head gate
+    (checkpoint layout per head: [query D | gate D]) applied as sigmoid before o_proj."""
+
+    def __init__(self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 zero_centered_norm: bool, output_gate: bool, bias: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.output_gate = output_gate
+        q_rows = num_heads * head_dim * (2 if output_gate else 1)
+        kv_rows = num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(hidden, ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
+        self.scale = head_dim ** -0.5
+        self.attn_index = -1  # index among the model's attention layers (set by the model)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def spec(self) -> AttentionLayerSpec:
+        return AttentionLayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+    def forward(self, ctx: ForwardContext, x: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        t = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q_rows = hq * d * (2 if self.output_gate else 1)
+        if self.output_gate:
+            qg = qkv[:, :q_rows].view(t, hq, 2 * d)
+            q, gate = qg[..., :d], qg[..., d:]
+        else:
+            q, gate = qkv[:, :q_rows].view(t, hq, d), None
+        k = qkv[:, q_rows:q_rows + hk * d].view(t, hk, d)
+        v = qkv[:, q_rows + hk * d:].view(t, hk, d)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.contiguous())
+        q, k = ops.rotary_embedding(ctx.positions, q, k, rope.cos_sin_cache, rope.rotary_dim)
+        o = paged_attention(ctx, q, k, v.contiguous(), self.k_cache, self.v_cache, self.scale)
+        o = o.reshape(t, hq * d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(t, hq * d))
+        return self.o_proj(o)

@@ -1,0 +1,192 @@
+"""Resolve a model name or directory to a config, build the model, load its weights.
+
+`name_or_dir` is a directory in Hugging Face format (config.json, model.safetensors or a
+sharded model.safetensors.index.json) or a preset name (presets.py). A directory wins
+over a preset of the same name. Qwen3.5 VL checkpoints (a top-level config with a
+`text_config`) load as their text model: vision tensors are skipped, MTP tensors kept in
+`model.mtp_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+
+from mstar.models import presets
+from mstar.models.base import DecoderLM, WeightLoadError
+
+log = logging.getLogger("mstar.models")
+
+_QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5")
+_QWEN3_TYPES = ("qwen3",)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in values:
+        if v is None:
+            continue
+        for x in ([v] if isinstance(v, int) else v):
+            if int(x) not in out:
+                out.append(int(x))
+    return tuple(out)
+
+
+def _config_from_dir(path: str):
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json")
+    raw = _read_json(cfg_path)
+    from transformers import Qwen3_5TextConfig, Qwen3Config
+    if isinstance(raw.get("text_config"), dict):  # multimodal checkpoint: take its text model
+        text = dict(raw["text_config"])
+        mt = text.get("model_type", "qwen3_5_text")
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if key not in text and key in raw:
+                text[key] = raw[key]
+        if "tie_word_embeddings" in raw:  # the top-level model ties (or not) the head
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    else:
+        text = dict(raw)
+        mt = text.get("model_type", "")
+    text.pop("architectures", None)
+    if mt in _QWEN3_5_TYPES:
+        text["model_type"] = "qwen3_5_text"
+        cfg = Qwen3_5TextConfig.from_dict(text)
+    elif mt in _QWEN3_TYPES:
+        cfg = Qwen3Config.from_dict(text)
+    else:
+        raise ValueError(f"{cfg_path}: model_type {mt!r} is not supported (qwen3_5, qwen3_5_text, qwen3)")
+    gen_path = os.path.join(path, "generation_config.json")
+    gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+    cfg.eos_token_id = list(_eos_ids(gen_eos, cfg.eos_token_id, raw.get("eos_token_id")))
+    return cfg
+
+
+def resolve_config(name_or_dir: str):
+    """The transformers text config (Qwen3_5TextConfig / Qwen3Config) of a directory or preset."""
+    if os.path.isdir(name_or_dir):
+        return _config_from_dir(name_or_dir)
+    p = presets.get(name_or_dir)
+    if p is None:
+        raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset; presets: "
+                         f"{', '.join(presets.names())}")
+    return presets.make_config(p)
+
+
+def model_class(config) -> type[DecoderLM]:
+    mt = getattr(config, "model_type", "")
+    if mt in _QWEN3_5_TYPES:
+        from mstar.models.qwen3_5 import Qwen3_5ForCausalLM
+        return Qwen3_5ForCausalLM
+    if mt in _QWEN3_TYPES:
+        from mstar.models.qwen3 import Qwen3ForCausalLM
+        return Qwen3ForCausalLM
+    raise ValueError(f"model_type {mt!r} is not supported")
+
+
+def build_model(config, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta") -> DecoderLM:
+    """The model with uninitialised weights (no allocation at all when device is meta)."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype)
+    if torch.device(device).type != "meta":
+        model.materialize(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+# --- checkpoint files ---------------------------------------------------------------------------
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not there: {missing}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def iter_checkpoint(path: str, device: str | torch.device = "cpu", progress: bool = True,
+                    skip_prefixes: tuple[str, ...] = DecoderLM._VISION_PREFIXES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) from a directory's safetensors, one tensor at a time; tensors
+    whose names start with `skip_prefixes` are not read (one log line counts them)."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+    files = checkpoint_files(path)
+    dev = torch.device(device)
+    open_dev = str(dev) if dev.type == "cuda" else "cpu"
+    names: list[tuple[str, list[str]]] = []
+    for fpath in files:
+        with safe_open(fpath, framework="pt", device="cpu") as f:
+            names.append((fpath, list(f.keys())))
+    total = sum(len(k) for _, k in names)
+    skipped = 0
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+        for fpath, keys in names:
+            with safe_open(fpath, framework="pt", device=open_dev) as f:
+                for k in keys:
+                    bar.update(1)
+                    if k.startswith(skip_prefixes):
+                        skipped += 1
+                        continue
+                    yield k, f.get_tensor(k)
+    if skipped:
+        log.info("skipped %d vision tensors of %s (text model only)", skipped, path)
+
+
+# --- entry points ---------------------------------------------------------------------------------
+def load_model(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               random_weights: bool = False, seed: int = 0, progress: bool = True) -> DecoderLM:
+    """Build a model from a checkpoint directory or a preset.
+
+    random_weights: skip the checkpoint and draw random weights on `device` in `dtype`
+    (full size for the real presets). Tiny embedded presets always have random weights,
+    drawn on the CPU in fp32 from `seed` so that every process builds the same model.
+    """
+    is_dir = os.path.isdir(name_or_dir)
+    preset = None if is_dir else presets.get(name_or_dir)
+    config = resolve_config(name_or_dir)
+    device = torch.device(device)
+    if preset is not None and preset.embedded:
+        model = build_model(config, dtype=torch.float32, device="cpu")
+        model.init_random(seed, std=preset.init_std)
+        model = model.to(device=device, dtype=dtype)
+        model.rope.rebuild(device)
+        model._weight_map = None
+    else:
+        model = build_model(config, dtype=dtype, device=device)
+        if random_weights:
+            model.init_random(seed, std=preset.init_std if preset else None)
+        elif is_dir:
+            model.load_weights(iter_checkpoint(name_or_dir, device, progress))
+        else:
+            raise ValueError(f"preset {name_or_dir!r} has no weights here: pass the checkpoint directory, "
+                             f"or random_weights=True")
+    model.name_or_path = name_or_dir
+    return model
+
+
+def load_tokenizer(name_or_dir: str):
+    from mstar.models.tokenizer import load_tokenizer as _load
+    return _load(name_or_dir)
+
+
+__all__ = ["load_model", "load_tokenizer", "resolve_config", "build_model", "iter_checkpoint",
+           "checkpoint_files", "model_class", "WeightLoadError"]

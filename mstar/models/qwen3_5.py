@@ -1,0 +1,178 @@
+"""Qwen3.5 (text model): hybrid Gated DeltaNet / gated full attention decoder.
+
+Computes what transformers' `Qwen3_5ForCausalLM` computes, on mstar.ops:
+  * RMSNorms are zero-centred (weight acts as 1 + w), including the per-head q/k norms;
+  * full-attention layers: q_proj yields [query | gate] per head, q/k RMSNorm, NeoX RoPE
+    on the first `partial_rotary_factor * head_dim` dims, GQA, sigmoid(gate) * attn before
+    o_proj;
+  * linear-attention layers (Gated DeltaNet): qkv projection -> causal depthwise conv1d +
+    SiLU -> split q, k, v; q, k L2-normalised and repeated onto the value heads
+    (key head i serves value heads i*r .. i*r+r-1); beta = sigmoid(b),
+    g = -exp(A_log) * softplus(a + dt_bias); gated delta rule with scale Dk^-0.5; output
+    RMSNorm (plain weight) gated by silu(z); out_proj;
+  * SwiGLU MLP; `config.layer_types` picks the mixer of each layer.
+Checkpoint names are those of Qwen3_5ForCausalLM (VL checkpoints' `model.language_model.`
+prefix is rewritten by the base class).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar import ops
+from mstar.models.base import DecoderLayer, DecoderLM, TextModel
+from mstar.models.context import ForwardContext, StateLayerSpec
+from mstar.models.layers import FusedLinear, GatedMLP, Linear, ParamHolder, QKNormAttention, rope_settings
+
+L2_EPS = 1e-6  # transformers' l2norm eps in the gated delta rule
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) * w * silu(z) over the last dim (plain weight, initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention mixer over the runtime's conv/recurrent state pools."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hidden = config.hidden_size
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_k_heads})")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Gated DeltaNet conv activation {act!r} is not supported (only silu)")
+        # checkpoint: in_proj_qkv [conv_dim, H]; in_proj_z [value_dim, H]; in_proj_b/a [Hv, H]
+        self.in_proj_qkv = Linear(self.hidden, self.conv_dim)
+        self.in_proj_zba = FusedLinear(self.hidden, ("in_proj_z", "in_proj_b", "in_proj_a"),
+                                       (self.value_dim, self.num_v_heads, self.num_v_heads))
+        self.conv1d = ParamHolder(self.conv_dim, 1, self.conv_kernel)  # depthwise, no bias
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, self.hidden)
+        self.scale = self.head_k_dim ** -0.5
+        self.state_index = -1
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def spec(self) -> StateLayerSpec:
+        return StateLayerSpec(conv_dim=self.conv_dim, conv_kernel=self.conv_kernel, num_heads=self.num_v_heads,
+                              key_dim=self.head_k_dim, value_dim=self.head_v_dim)
+
+    def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        want_c = (self.conv_dim, self.conv_kernel - 1)
+        want_r = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if tuple(conv_state.shape[1:]) != want_c or tuple(recurrent_state.shape[1:]) != want_r:
+            raise ValueError(f"bind_caches: GDN layer {self.state_index} wants conv [slots, {want_c[0]}, "
+                             f"{want_c[1]}] and state [slots, {', '.join(map(str, want_r))}], got "
+                             f"{tuple(conv_state.shape)} and {tuple(recurrent_state.shape)}")
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        nd = ctx.num_decode_tokens
+        md = ctx.state
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        zba = self.in_proj_zba(x)
+        z = zba[:, :self.value_dim]
+        b = zba[:, self.value_dim:self.value_dim + hv]
+        a = zba[:, self.value_dim + hv:]
+
+        w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        parts = []
+        if nd > 0:
+            parts.append(ops.causal_conv1d_update(mixed[:nd], w, None, self.conv_state, md.decode_slots, True))
+        if t > nd:
+            parts.append(ops.causal_conv1d_prefill(mixed[nd:], w, None, self.conv_state, md.prefill_cu_seqlens,
+                                                   md.prefill_slots, md.snap_token_idx, md.snap_slots, True))
+        mixed = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+        q = mixed[:, :self.key_dim].reshape(t, hk, dk)
+        k = mixed[:, self.key_dim:2 * self.key_dim].reshape(t, hk, dk)
+        v = mixed[:, 2 * self.key_dim:].reshape(t, hv, dv).contiguous()
+        q = ops.l2_norm(q.contiguous(), L2_EPS)
+        k = ops.l2_norm(k.contiguous(), L2_EPS)
+        if hv != hk:
+            q = q.repeat_interleave(hv // hk, dim=1)
+            k = k.repeat_interleave(hv // hk, dim=1)
+        beta = torch.sigmoid(b).contiguous()
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+        outs = []
+        if nd > 0:
+            outs.append(ops.gdn_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], self.recurrent_state,
+                                       md.decode_slots, self.scale))
+        if t > nd:
+            outs.append(ops.gdn_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], self.recurrent_state,
+                                        md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx,
+                                        md.snap_slots, self.scale))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
+        o = self.norm(o.to(x.dtype), z.reshape(t, hv, dv))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class Qwen3_5ForCausalLM(DecoderLM):
+    zero_centered_norm = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        c = config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        theta, factor = rope_settings(c)
+        rotary_dim = int(head_dim * factor)
+        layer_types = list(c.layer_types)
+        if len(layer_types) != c.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {c.num_hidden_layers} layers")
+        layers = []
+        for kind in layer_types:
+            if kind == "full_attention":
+                name, mixer = "self_attn", QKNormAttention(
+                    hidden=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                    head_dim=head_dim, eps=c.rms_norm_eps, zero_centered_norm=True, output_gate=True,
+                    bias=bool(getattr(c, "attention_bias", False)))
+            elif kind == "linear_attention":
+                name, mixer = "linear_attn", GatedDeltaNet(c)
+            else:
+                raise ValueError(f"unknown Qwen3.5 layer type {kind!r}")
+            layers.append(DecoderLayer(name, mixer, GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act),
+                                       c.hidden_size, c.rms_norm_eps, zero_centered=True))
+        self.model = TextModel(c.vocab_size, c.hidden_size, layers, c.rms_norm_eps, zero_centered=True)
+        self._finish_init(rotary_dim, theta)
+
+    def _init_param(self, name, p, module, std, gen):
+        if isinstance(module, GatedDeltaNet) and name == "A_log":
+            # as transformers: A ~ U(0.01, 16) (a real checkpoint's range), stored as log
+            p.uniform_(0.01, 16.0, generator=gen).log_()
+        elif isinstance(module, GatedDeltaNet) and name == "dt_bias":
+            p.fill_(1.0)
+        elif isinstance(module, GatedRMSNorm):
+            p.fill_(1.0)
+        elif isinstance(module, ParamHolder):  # conv1d: kaiming-uniform-like fan_in = K
+            bound = 1.0 / math.sqrt(p.shape[-1])
+            p.uniform_(-bound, bound, generator=gen)
+        else:
+            super()._init_param(name, p, module, std, gen)

@@ -1,0 +1,114 @@
+"""Triton kernels for the element-wise ops: SiLU-and-mul, rotary embedding (NeoX, partial),
+and the KV append into pages. Each moves its bytes once."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.ops import activation, attention, rotary
+from mstar.ops.registry import register_backend
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    a = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    y = a / (1.0 + tl.exp(-a)) * b
+    tl.store(out_ptr + row * d + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x):
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x2, out, d, x2.stride(0), BLOCK=block)
+    return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, src_ptr, dst_ptr, cache_ptr, n_heads, head_dim, src_tok_stride, src_head_stride,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program per token: all heads of q (or k); rotated part [0, 2*HALF), the rest copied
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    hmask = heads < n_heads
+    i = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i)
+    base = src_ptr + tok * src_tok_stride + heads * src_head_stride
+    x1 = tl.load(base + i, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + i, mask=hmask, other=0.0).to(tl.float32)
+    obase = dst_ptr + tok * n_heads * head_dim + heads * head_dim
+    tl.store(obase + i, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=hmask)
+    tl.store(obase + HALF + i, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=hmask)
+    if 2 * HALF < BLOCK_D:  # pass-through part of a partial rotary
+        j = 2 * HALF + tl.arange(0, BLOCK_D)[None, :]
+        jm = hmask & (j < head_dim)
+        tl.store(obase + j, tl.load(base + j, mask=jm, other=0.0), mask=jm)
+
+
+def _rotate(positions, x, cache, rotary_dim):
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        _rotary_kernel[(t,)](positions, x, out, cache, h, d, x.stride(0), x.stride(1), HALF=rotary_dim // 2,
+                             BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d))
+    return out
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
+    if rotary_dim // 2 != triton.next_power_of_2(rotary_dim // 2):  # tl.arange needs powers of two
+        return rotary.rotary_embedding.backends["reference"].fn(positions, q, k, cos_sin_cache, rotary_dim)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    return _rotate(positions, q, cache, rotary_dim), _rotate(positions, k, cache, rotary_dim)
+
+
+@triton.jit
+def _kv_append_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, row_elems, k_stride, v_stride,
+                      BLOCK: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < row_elems
+        k = tl.load(k_ptr + tok * k_stride + cols, mask=mask)
+        v = tl.load(v_ptr + tok * v_stride + cols, mask=mask)
+        tl.store(kc_ptr + slot * row_elems + cols, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + slot * row_elems + cols, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_append(k, v, k_cache, v_cache, slot_mapping):
+    t = k.shape[0]
+    if t == 0:
+        return
+    row = k_cache.shape[-2] * k_cache.shape[-1]
+    k2, v2 = k.reshape(t, -1), v.reshape(t, -1)
+    if k2.stride(-1) != 1:
+        k2 = k2.contiguous()
+    if v2.stride(-1) != 1:
+        v2 = v2.contiguous()
+    block = min(1024, triton.next_power_of_2(row))
+    _kv_append_kernel[(t, triton.cdiv(row, block))](k2, v2, k_cache, v_cache, slot_mapping, row, k2.stride(0),
+                                                    v2.stride(0), BLOCK=block)
+
+
+register_backend(activation.silu_and_mul, "triton", silu_and_mul, available=_cuda, priority=20)
+register_backend(rotary.rotary_embedding, "triton", rotary_embedding, available=_cuda, priority=20)
+register_backend(attention.kv_append, "triton", kv_append, available=_cuda, priority=20)

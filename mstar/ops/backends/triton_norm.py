@@ -1,0 +1,114 @@
+"""Triton kernels for the norm ops: one program per row, the whole row in registers,
+float32 arithmetic, one read of each input and one write of each output."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.ops import norm
+from mstar.ops.registry import register_backend
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
+                     eps, ZERO_CENTERED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        # the new residual is rounded to the activation dtype, as the reference's x + residual is
+        x_r = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
+        x = x_r.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = x * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    else:  # the plain form rounds before the weight, as transformers' Qwen3RMSNorm
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_rms(x, residual, weight, eps, zero_centered):
+    x2 = _rows(x)
+    n, h = x2.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    r2 = _rows(residual) if residual is not None else x2
+    if n:
+        block = triton.next_power_of_2(h)
+        _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0), eps,
+                               ZERO_CENTERED=zero_centered, HAS_RES=residual is not None, BLOCK=block,
+                               num_warps=min(max(block // 256, 1), 8))
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x, weight, eps, zero_centered):
+    return _launch_rms(x, None, weight, eps, zero_centered)[0]
+
+
+def fused_add_rms_norm(x, residual, weight, eps, zero_centered):
+    return _launch_rms(x, residual, weight, eps, zero_centered)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, x_stride, z_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + row * n_cols + cols, (w * y * gate).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x, z, weight, eps):
+    x2, z2 = _rows(x), _rows(z)
+    n, h = x2.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n:
+        _gated_rms_norm_kernel[(n,)](x2, z2, weight, out, h, x2.stride(0), z2.stride(0), eps,
+                                     BLOCK=triton.next_power_of_2(h))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _l2_norm_kernel(x_ptr, out_ptr, n_cols, x_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def l2_norm(x, eps):
+    x2 = _rows(x)
+    n, h = x2.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n:
+        _l2_norm_kernel[(n,)](x2, out, h, x2.stride(0), eps, BLOCK=triton.next_power_of_2(h))
+    return out.view(x.shape)
+
+
+for _op, _fn in ((norm.rms_norm, rms_norm), (norm.fused_add_rms_norm, fused_add_rms_norm),
+                 (norm.gated_rms_norm, gated_rms_norm), (norm.l2_norm, l2_norm)):
+    register_backend(_op, "triton", _fn, devices=("cuda",), available=_cuda, priority=20,
+                     note="one program per row")

@@ -1,0 +1,302 @@
+"""The engine core: requests in, one scheduler step at a time, CoreOutputs out.
+
+    core = EngineCore(EngineConfig(model="tiny-qwen3.5"))
+    core.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    while core.has_unfinished():
+        for out in core.step(): ...
+
+A step: schedule (decode rows, then prefill chunks under the token budget; admissions,
+preemptions) -> build the ForwardContext -> model.forward -> logits of the rows that
+sample -> Sampler -> per sequence: append the token, check eos / stop ids / max_tokens /
+max_model_len -> commit to the cache manager (new full pages enter the prefix cache) ->
+free what finished. The core never detokenizes: text and stop strings are the
+OutputProcessor's job, which tells the caller which requests to abort.
+
+Abort: `abort(ids)` frees everything at once (pages, slot, sampler row, queue entry) and
+queues a CoreOutput(finish_reason="abort"); it is returned by the next `step()` call
+(`has_unfinished()` stays True until it has been returned). Unknown or finished ids are
+ignored.
+
+Not thread-safe: one thread drives add_request / abort / step (the server's engine loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import fields
+from typing import Iterable
+
+import torch
+
+from mstar.runtime.cache_manager import CacheManager
+from mstar.runtime.config import EngineConfig, size_caches
+from mstar.runtime.request import CoreOutput, EngineRequest, RequestError, SamplingParams
+from mstar.runtime.sampler import Sampler
+from mstar.runtime.scheduler import PrefillRow, Scheduler, SeqStatus, Sequence
+from mstar.runtime.step_inputs import StepInputBuilder, StepRows
+
+log = logging.getLogger("mstar.runtime")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, model=None, tokenizer=None):
+        """Load the model and tokenizer named by config.model (or take the given ones:
+        tests), size and allocate the caches, bind them."""
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        if model is None:
+            from mstar.models import load_model
+            model = load_model(config.model, dtype=self.dtype, device=self.device,
+                               random_weights=config.random_weights, seed=config.seed)
+        self.model = model
+        if tokenizer is None:
+            tokenizer = _try_tokenizer(config.model)
+        self.tokenizer = tokenizer
+
+        mcfg = model.config
+        self.vocab_size = int(mcfg.vocab_size)
+        self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in (model.eos_token_ids or ()))
+        max_len = config.resolve_max_model_len(getattr(mcfg, "max_position_embeddings", None))
+
+        spec = model.cache_spec()
+        sizes = size_caches(config, spec, self.dtype, self.device, max_len)
+        if spec.attention:
+            # one sequence must always fit in the pool on its own
+            max_len = min(max_len, sizes.num_pages * sizes.page_size)
+        self.max_model_len = max_len
+        self.cache_sizes = sizes
+        self.cm = CacheManager(spec, num_pages=sizes.num_pages, page_size=sizes.page_size,
+                               num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
+                               enable_prefix_cache=config.enable_prefix_caching,
+                               num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0)
+        model.bind_caches(self.cm.caches)
+        self.page_size = sizes.page_size
+        self.has_state = bool(spec.state)
+        self.has_attention = bool(spec.attention)
+        self.sampler = Sampler(config.max_num_seqs, self.vocab_size, self.device)
+        self.scheduler = Scheduler(self.cm, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption_mode=config.preemption_mode)
+        self.inputs = StepInputBuilder(page_size=self.page_size, device=self.device,
+                                       has_attention=self.has_attention, has_state=self.has_state)
+        self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[CoreOutput] = []
+        self._seed_rng = random.Random(config.seed)
+        self._arrivals = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
+        log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
+                 config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
+                 sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
+
+    # ======================================================================================
+    # requests
+    # ======================================================================================
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request; RequestError (naming the field) when it cannot be served."""
+        rid = req.request_id
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("request_id", "must be a non-empty string")
+        if rid in self._seqs:
+            raise RequestError("request_id", f"duplicate request id {rid!r}")
+        params = req.params if req.params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params", "must be SamplingParams")
+        params.validate()
+        try:
+            prompt = [int(t) for t in req.prompt_token_ids]
+        except (TypeError, ValueError):
+            raise RequestError("prompt", "token ids must be integers") from None
+        n = len(prompt)
+        if n == 0:
+            raise RequestError("prompt", "empty prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise RequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise RequestError("prompt", f"prompt has {n} tokens; the context is {self.max_model_len} "
+                               "tokens and at least one must be left to generate")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError("max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds "
+                               f"the context length {self.max_model_len}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"ids must be in [0, {self.vocab_size})")
+        eos = tuple(req.eos_token_ids) or self.eos_token_ids
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(eos)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self._arrivals += 1
+        seq = Sequence(request_id=rid, token_ids=prompt, num_prompt_tokens=n, params=params,
+                       stop_ids=frozenset(stop), seed=int(seed), max_len=self.max_model_len,
+                       arrival=self._arrivals)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Free everything the requests hold now; their CoreOutput(finish_reason="abort")
+        comes with the next step()."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            seq = self._seqs.pop(rid, None)
+            if seq is None:
+                continue
+            self._drop(seq)
+            self._pending.append(CoreOutput(rid, [], None, finish_reason="abort",
+                                            num_prompt_tokens=seq.num_prompt_tokens,
+                                            num_cached_tokens=seq.num_cached_tokens))
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.sampler.release(seq.sampler_row)
+        seq.sampler_row = -1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._pending)
+
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # ======================================================================================
+    # the step
+    # ======================================================================================
+    @torch.inference_mode()
+    def step(self) -> list[CoreOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.sampler.release(seq.sampler_row)
+            seq.sampler_row = -1
+        for seq in sched.failed:  # cannot fit even alone (should not happen: add_request checks)
+            log.error("request %s cannot fit in the cache even alone; finished", seq.request_id)
+            self._seqs.pop(seq.request_id, None)
+            self._drop(seq)
+            outputs.append(CoreOutput(seq.request_id, [], None, finish_reason="abort",
+                                      num_prompt_tokens=seq.num_prompt_tokens))
+        for seq in sched.admitted:
+            if seq.sampler_row < 0:
+                seq.sampler_row = self.sampler.add(seq.params, seq.seed, seq.token_ids[:seq.num_prompt_tokens],
+                                                   seq.output_ids)
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+
+        rows = self._rows(sched.decode, sched.prefill)
+        ctx, n_sample = self.inputs.build(rows)
+        hidden = self.model.forward(ctx)
+
+        # sequences that sample this step, in logits order
+        sampling: list[Sequence] = list(sched.decode)
+        sampling += [r.seq for r in sched.prefill if r.samples]
+        result = None
+        if n_sample:
+            logits = self.model.compute_logits(hidden[ctx.logits_indices])
+            steps = [s.num_output_tokens for s in sampling]
+            masked = [(b, list(s.stop_ids)) for b, s in enumerate(sampling)
+                      if s.num_output_tokens < s.params.min_tokens and s.stop_ids]
+            result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
+
+        # bookkeeping: computed lengths, prefix-cache commits
+        cm = self.cm
+        for seq in sched.decode:
+            seq.num_computed += 1
+            cm.commit(seq.request_id, seq.token_ids, seq.num_computed)
+        for r in sched.prefill:
+            r.seq.num_computed = r.end
+            cm.commit(r.seq.request_id, r.seq.token_ids, r.end)
+            self.num_prefill_tokens += r.end - r.start
+
+        if result is not None:
+            lps = result.logprobs
+            for b, (seq, tok) in enumerate(zip(sampling, result.tokens)):
+                seq.token_ids.append(tok)
+                self.num_generated_tokens += 1
+                n_out = seq.num_output_tokens
+                finish, stop_tok = None, None
+                if tok in seq.stop_ids and n_out > seq.params.min_tokens:
+                    finish, stop_tok = "stop", tok
+                elif n_out >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len:
+                    finish = "length"
+                out = CoreOutput(seq.request_id, [tok], None if lps is None or lps[b] is None else [lps[b]],
+                                 finish_reason=finish, stop_token_id=stop_tok,
+                                 num_prompt_tokens=seq.num_prompt_tokens,
+                                 num_cached_tokens=seq.num_cached_tokens)
+                outputs.append(out)
+                if finish is not None:
+                    self._seqs.pop(seq.request_id, None)
+                    self._drop(seq)
+        return outputs
+
+    def _rows(self, decode: list[Sequence], prefill: list[PrefillRow]) -> StepRows:
+        cm = self.cm
+        attn, state = self.has_attention, self.has_state
+        d_pages = [cm.pages(s.request_id) for s in decode] if attn else []
+        p_pages = [cm.pages(r.seq.request_id) for r in prefill] if attn else []
+        d_slots = [cm.slot(s.request_id) for s in decode] if state else []
+        p_slots = [cm.slot(r.seq.request_id) for r in prefill] if state else []
+        p_tokens: list[int] = []
+        snapshots: list[tuple[int, int]] = []
+        off = 0
+        for r in prefill:
+            toks = r.seq.token_ids
+            p_tokens.extend(toks[r.start:r.end])
+            if self._snapshots:
+                for pos, slot in cm.snapshot_slots(r.seq.request_id, r.start, r.end, toks):
+                    snapshots.append((off + pos - r.start, slot))
+            off += r.end - r.start
+        return StepRows(
+            decode_tokens=[s.token_ids[-1] for s in decode],
+            decode_lens=[len(s.token_ids) for s in decode],
+            decode_pages=d_pages, decode_slots=d_slots,
+            prefill_tokens=p_tokens,
+            prefill_starts=[r.start for r in prefill], prefill_ends=[r.end for r in prefill],
+            prefill_pages=p_pages, prefill_slots=p_slots,
+            prefill_samples=[r.samples for r in prefill],
+            snapshots=snapshots)
+
+    # ======================================================================================
+    # introspection
+    # ======================================================================================
+    def stats(self) -> dict:
+        cs = self.cm.stats()
+        d = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": cs.used_pages,
+            "kv_pages_total": cs.total_pages,
+            "kv_pages_free": cs.free_pages,
+            "kv_pages_cached": cs.cached_pages,
+            "kv_usage": cs.used_pages / cs.total_pages if cs.total_pages else 0.0,
+            "state_slots_free": cs.free_slots,
+            "state_slots_total": cs.total_slots,
+            "prefix_hit_rate": cs.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "max_model_len": self.max_model_len,
+            "page_size": self.page_size,
+        }
+        for f in fields(cs):
+            if f.name.startswith(("prefix_", "snapshot_", "offloaded_", "cached_snapshots")):
+                d[f.name] = getattr(cs, f.name)
+        return d
+
+    def cache_stats(self):
+        return self.cm.stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.cm.reset_prefix_cache()
+
+
+def _try_tokenizer(name: str):
+    try:
+        from mstar.models import load_tokenizer
+        return load_tokenizer(name)
+    except Exception as e:  # noqa: BLE001 -- a checkpoint without tokenizer still serves token ids
+        log.warning("no tokenizer for %s (%s); only token-id prompts will work", name, e)
+        return None

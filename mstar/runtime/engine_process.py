@@ -1,0 +1,276 @@
+"""The engine in its own process, so HTTP, JSON, tokenization and slow clients never stall
+the step loop.
+
+    API process                                   engine process (spawned)
+    EngineProcess.add(EngineRequest)  --in_q-->   drain commands (add / abort / shutdown)
+    EngineProcess.abort([ids])        --in_q-->   EngineCore.step() while work is left
+    reader thread -> on_message(msg)  <--out_q--  ("step", outputs, errors, stats)
+
+The loop drains its command queue without blocking whenever it has work, steps, and puts
+the step's CoreOutputs on the output queue (a put never blocks: the queue's feeder thread
+does the pipe writes). With no work it blocks on the command queue, waking every
+`IDLE_POLL_S` to check that its parent is still alive (it exits if the API process is
+gone, so a killed server leaves no orphan holding the GPU).
+
+Messages out of the engine:
+  ("ready", info)                      once, after the model is loaded
+  ("failed", traceback_text)           the engine could not be built (then it exits)
+  ("step", outputs, errors, stats)     outputs: list[CoreOutput]; errors: [(request_id, field, message)]
+                                       for requests add_request refused; stats: engine.stats() or None
+  ("fatal", traceback_text)            step() raised; the process exits (the server then answers 503)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+logger = logging.getLogger("mstar.engine_process")
+
+IDLE_POLL_S = 0.5
+STATS_INTERVAL_S = 0.2
+
+
+def _load_factory(path: str | None) -> Callable[[Any], Any]:
+    if not path:
+        from mstar.runtime.engine_core import EngineCore
+        return EngineCore
+    mod, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"engine factory must look like 'package.module:callable', got {path!r}")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def _extra_stats() -> dict[str, Any]:
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return {"peak_gpu_mem_bytes": int(torch.cuda.max_memory_allocated())}
+    except Exception:  # pragma: no cover - stats are best effort
+        pass
+    return {}
+
+
+def _engine_info(engine: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {"pid": os.getpid()}
+    info["max_model_len"] = int(getattr(engine, "max_model_len"))
+    eos = getattr(engine, "eos_token_ids", ()) or ()
+    if isinstance(eos, int):
+        eos = (eos,)
+    info["eos_token_ids"] = tuple(int(t) for t in eos)
+    for name in ("vocab_size", "device", "dtype", "model_name"):
+        v = getattr(engine, name, None)
+        if v is not None:
+            info[name] = v if isinstance(v, (int, float, str)) else str(v)
+    cfg = getattr(engine, "config", None)
+    if cfg is not None:
+        for name in ("max_num_seqs", "page_size", "num_pages", "tp"):
+            v = getattr(cfg, name, None)
+            if isinstance(v, int):
+                info[name] = v
+    return info
+
+
+def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp.Queue) -> None:
+    """Entry point of the engine process."""
+    # Ctrl-C in a terminal reaches the whole process group; the API process owns shutdown
+    # (it drains in-flight requests first), so the engine ignores SIGINT/SIGTERM and exits
+    # when told to, or when its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        from mstar.runtime.request import RequestError
+        engine = _load_factory(factory_path)(config)
+        info = _engine_info(engine)
+    except BaseException:
+        out_q.put(("failed", traceback.format_exc()))
+        out_q.close()
+        out_q.join_thread()
+        return
+    out_q.put(("ready", info))
+
+    parent = mp.parent_process()
+    last_parent_check = time.monotonic()
+    last_stats = 0.0
+    stats_dirty = True
+    while True:
+        busy = engine.has_unfinished()
+        cmds = []
+        try:
+            if busy:
+                while True:
+                    cmds.append(in_q.get_nowait())
+            else:
+                cmds.append(in_q.get(timeout=IDLE_POLL_S))
+                while True:
+                    cmds.append(in_q.get_nowait())
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if now - last_parent_check > IDLE_POLL_S:
+            last_parent_check = now
+            if parent is not None and not parent.is_alive():
+                return
+
+        errors = []
+        stop = False
+        for cmd in cmds:
+            kind = cmd[0]
+            if kind == "add":
+                req = cmd[1]
+                try:
+                    engine.add_request(req)
+                except RequestError as e:
+                    errors.append((req.request_id, e.field, e.message))
+                except Exception as e:  # a bad request must not kill the engine
+                    errors.append((req.request_id, None, f"{type(e).__name__}: {e}"))
+            elif kind == "abort":
+                try:
+                    engine.abort(cmd[1])
+                except Exception:
+                    logger.exception("abort failed")
+            elif kind == "shutdown":
+                stop = True
+        if stop:
+            break
+
+        outputs = []
+        if engine.has_unfinished():
+            try:
+                outputs = engine.step()
+            except BaseException:
+                out_q.put(("fatal", traceback.format_exc()))
+                break
+        if cmds or outputs:
+            stats_dirty = True
+        stats = None
+        now = time.monotonic()
+        idle = not engine.has_unfinished()
+        if stats_dirty and (idle or now - last_stats >= STATS_INTERVAL_S):
+            try:
+                stats = dict(engine.stats())
+                stats.update(_extra_stats())
+            except Exception:
+                stats = None
+            last_stats = now
+            stats_dirty = False
+        if outputs or errors or stats is not None:
+            out_q.put(("step", outputs, errors, stats))
+    out_q.close()
+    out_q.join_thread()
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """The API side of the engine process: start it, feed it, read what it says."""
+
+    def __init__(self, config: Any, factory: str | None = None):
+        self.config = config
+        self.factory = factory
+        ctx = mp.get_context("spawn")
+        self._in_q = ctx.Queue()
+        self._out_q = ctx.Queue()
+        self._proc = ctx.Process(target=engine_main, args=(config, factory, self._in_q, self._out_q),
+                                 name="mstar-engine", daemon=False)
+        self.info: dict[str, Any] = {}
+        self._reader: threading.Thread | None = None
+        self._stopping = False
+        self.fatal: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._proc.start()
+
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                msg = self._out_q.get(timeout=0.2)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise EngineStartError(f"the engine process exited (code {self._proc.exitcode}) "
+                                           "before it was ready") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    self.kill()
+                    raise EngineStartError(f"the engine was not ready within {timeout:.0f} s") from None
+                continue
+            if msg[0] == "ready":
+                self.info = msg[1]
+                return self.info
+            if msg[0] == "failed":
+                self._proc.join(5)
+                raise EngineStartError("the engine failed to start:\n" + msg[1])
+
+    def start_reader(self, on_message: Callable[[tuple], None]) -> None:
+        """Deliver every later message to on_message (called on a reader thread)."""
+
+        def run():
+            while True:
+                try:
+                    msg = self._out_q.get(timeout=IDLE_POLL_S)
+                except queue.Empty:
+                    if not self._proc.is_alive():
+                        break
+                    continue
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "fatal":
+                    self.fatal = msg[1]
+                on_message(msg)
+            on_message(("exited", self._proc.exitcode))
+
+        self._reader = threading.Thread(target=run, name="mstar-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
+
+    # -- commands ---------------------------------------------------------------------------
+    def add(self, req: Any) -> None:
+        self._in_q.put(("add", req))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._in_q.put(("abort", list(request_ids)))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._proc.is_alive():
+            try:
+                self._in_q.put(("shutdown",))
+            except Exception:
+                pass
+            self._proc.join(timeout)
+        if self._proc.is_alive():
+            self.kill()
+        if self._reader is not None:
+            self._reader.join(2 * IDLE_POLL_S + 1)
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(3)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(3)

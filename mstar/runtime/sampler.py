@@ -1,0 +1,162 @@
+"""Batch sampling state: per-row parameters and penalty bookkeeping kept as device tensors.
+
+Each running sequence owns a row (0..max_rows-1) for as long as it holds a cache slot.
+At admission the row's parameters are written once; a step gathers the rows it samples
+with one index tensor (no per-step rebuild from Python lists) and calls `ops.sample`.
+
+Penalties: `prompt_mask [rows, V] bool` and `output_counts [rows, V] int32` are allocated
+on first use (a request with a repetition / presence / frequency penalty) and updated
+incrementally: the prompt mask once at admission, the counts with one scatter-add of the
+tokens sampled each step. Only rows that use penalties are read or written.
+
+min_tokens: the stop ids (eos unless ignore_eos, stop_token_ids) of rows that have not
+reached min_tokens are masked to -inf before sampling (one indexed write).
+
+Randomness: `ops.sample` is counter-based on (seed, step) with step = the index of the
+output token being drawn, so a sequence's tokens do not depend on the batch around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mstar import ops
+from mstar.runtime.request import SamplingParams, TokenLogprobs
+
+# columns of the float parameter table
+_T, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(6)
+# columns of the int parameter table
+_TOP_K, _SEED = range(2)
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # per sampled row; None when no row asked
+
+
+class Sampler:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str):
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.fparams = torch.zeros((6, max_rows), dtype=torch.float32, device=self.device)
+        self.iparams = torch.zeros((2, max_rows), dtype=torch.int64, device=self.device)
+        # host mirrors of what decides the per-step path
+        self._uses_penalty = np.zeros(max_rows, dtype=bool)
+        self._num_logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: no logprobs
+        self._free = list(range(max_rows - 1, -1, -1))
+        self.prompt_mask: torch.Tensor | None = None
+        self.output_counts: torch.Tensor | None = None
+
+    # --- rows --------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def add(self, params: SamplingParams, seed: int, prompt_ids: list[int], output_ids: list[int]) -> int:
+        """Take a row for a sequence and write its parameters; returns the row."""
+        row = self._free.pop()
+        fp = torch.tensor([params.temperature, params.top_p, params.min_p, params.repetition_penalty,
+                           params.presence_penalty, params.frequency_penalty], dtype=torch.float32)
+        ip = torch.tensor([params.top_k, seed & 0x7FFFFFFFFFFFFFFF], dtype=torch.int64)
+        self.fparams[:, row] = fp.to(self.device, non_blocking=True)
+        self.iparams[:, row] = ip.to(self.device, non_blocking=True)
+        pen = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+               or params.frequency_penalty != 0.0)
+        self._uses_penalty[row] = pen
+        self._num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if pen:
+            self._ensure_penalty_tensors()
+            self.prompt_mask[row].zero_()
+            self.output_counts[row].zero_()
+            if prompt_ids:
+                ids = torch.tensor(prompt_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+                self.prompt_mask[row].index_fill_(0, ids, True)
+            if output_ids:  # a recomputed / reloaded sequence brings its history
+                ids = torch.tensor(output_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+                self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return row
+
+    def release(self, row: int) -> None:
+        if row < 0:
+            return
+        self._uses_penalty[row] = False
+        self._num_logprobs[row] = -1
+        self._free.append(row)
+
+    def _ensure_penalty_tensors(self) -> None:
+        if self.prompt_mask is None:
+            self.prompt_mask = torch.zeros((self.max_rows, self.vocab_size), dtype=torch.bool, device=self.device)
+            self.output_counts = torch.zeros((self.max_rows, self.vocab_size), dtype=torch.int32,
+                                             device=self.device)
+
+    # --- the step ----------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
+               masked: list[tuple[int, list[int]]] | None = None) -> SampleResult:
+        """Sample one token for each row of `logits` [B, V].
+
+        rows[b]: the sampler row of logits row b; steps[b]: the index of the output token
+        drawn (= tokens generated so far); masked: (b, ids) pairs whose ids must not be drawn.
+        """
+        B = logits.shape[0]
+        V = logits.shape[1]
+        host = np.empty((2, B), dtype=np.int64)
+        host[0] = rows
+        host[1] = steps
+        idx = torch.from_numpy(host)
+        if self.device.type != "cpu":
+            idx = idx.to(self.device, non_blocking=True)
+        row_t, step_t = idx[0], idx[1]
+        fp = self.fparams[:, row_t]  # [6, B], each row contiguous
+        ip = self.iparams[:, row_t]
+
+        rows_np = host[0]
+        pen = self._uses_penalty[rows_np]
+        if pen.any():
+            logits = logits.float()
+            b_idx = np.nonzero(pen)[0]
+            if len(b_idx) == B:
+                sel, pr = slice(None), row_t
+            else:
+                sel = torch.from_numpy(b_idx).to(self.device, non_blocking=True)
+                pr = row_t[sel]
+            out = ops.apply_penalties(logits[sel], self.prompt_mask[pr], self.output_counts[pr],
+                                      fp[_REP][sel], fp[_PRES][sel], fp[_FREQ][sel])
+            if len(b_idx) == B:
+                logits = out
+            else:
+                logits[sel] = out
+        if masked:
+            # logits is this step's own tensor (compute_logits output): written in place
+            ti = [t for _, ids in masked for t in ids if t < V]
+            bi = [b for b, ids in masked for t in ids if t < V]
+            if ti:
+                m = torch.tensor([bi, ti], dtype=torch.int64).to(self.device, non_blocking=True)
+                logits[m[0], m[1]] = float("-inf")
+
+        nlp = self._num_logprobs[rows_np]
+        n_top = int(nlp.max()) if B else -1
+        tokens, tok_lp, top_ids, top_lp = ops.sample(
+            logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t, max(n_top, 0))
+
+        if pen.any():
+            b_idx = torch.from_numpy(np.nonzero(pen)[0]).to(self.device, non_blocking=True)
+            self.output_counts.index_put_((row_t[b_idx], tokens[b_idx]),
+                                          torch.ones(b_idx.shape[0], dtype=torch.int32, device=self.device),
+                                          accumulate=True)
+
+        tok_list = tokens.tolist()
+        lps = None
+        if n_top >= 0:
+            lp_l = tok_lp.tolist()
+            ids_l = top_ids.tolist()
+            tlp_l = top_lp.tolist()
+            lps = []
+            for b in range(B):
+                n = int(nlp[b])
+                lps.append(None if n < 0 else TokenLogprobs(lp_l[b], ids_l[b][:n], tlp_l[b][:n]))
+        return SampleResult(tok_list, lps)

@@ -1,0 +1,240 @@
+"""`python -m mstar.runtime.serve`: the OpenAI-compatible server.
+
+With no arguments it serves the embedded default model (a tiny random Qwen3.5 with the
+built-in tokenizer) on http://127.0.0.1:8000, on the GPU when there is one and on CPU
+otherwise. The engine runs in its own process (engine_process.py); this process runs
+the HTTP front end, the tokenizer and the detokenizer (api_server.py).
+
+    python -m mstar.runtime.serve                                   # tiny default, CPU or GPU
+    python -m mstar.runtime.serve --model qwen3.5-0.8b --random-weights --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "Hello", "max_tokens": 16}'
+
+SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish (up to
+--drain-timeout seconds), stop the engine, exit 0. A second Ctrl-C forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+logger = logging.getLogger("mstar.serve")
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). With no arguments: the embedded tiny Qwen3.5 on "
+                    "http://127.0.0.1:8000.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny-qwen3.5",
+                   help="A model directory (HF layout: config.json, *.safetensors, tokenizer files) or a preset "
+                        "name (e.g. tiny-qwen3.5, qwen3.5-0.8b). Presets without local weights need "
+                        "--random-weights (the tiny default is built in).")
+    m.add_argument("--random-weights", action="store_true",
+                   help="Initialise the weights randomly from the model's config instead of loading them "
+                        "(benchmarks at the real shapes without a checkpoint).")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="The name(s) clients must use in the 'model' field; the first is reported in responses. "
+                        "Default: the --model value.")
+    m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="Weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU.")
+    m.add_argument("--device", default="auto",
+                   help="auto (the GPU if there is one, else CPU), cpu, cuda or cuda:N.")
+    m.add_argument("--tp", type=_positive_int, default=1,
+                   help="Tensor-parallel degree (GPUs the model is split over).")
+    m.add_argument("--seed", type=int, default=0,
+                   help="Seed of the engine (random weights; requests without their own seed).")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="Most sequences the engine runs in one step (decode batch size).")
+    e.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="Context length limit (prompt + output tokens); default: the model's.")
+    e.add_argument("--page-size", type=_positive_int, default=None,
+                   help="Tokens per KV-cache page (also the prefix-cache granule); default: MSTAR_PAGE_SIZE.")
+    e.add_argument("--num-pages", type=_positive_int, default=None,
+                   help="KV-cache pages in the pool; default: sized from free memory.")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="Token budget of one step (prefill chunk size plus decodes).")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="Disable reuse of cached prompt prefixes across requests.")
+    e.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
+                   help="Advanced: build the engine with this callable(EngineConfig) instead of EngineCore "
+                        "(it must offer the EngineCore API: add_request, abort, step, has_unfinished, stats).")
+    e.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="Seconds to wait for the engine to load the model before giving up.")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
+    s.add_argument("--port", type=_nonneg_int, default=8000,
+                   help="TCP port to listen on (0: any free port; the URL is logged when ready).")
+    s.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); /health and /metrics "
+                        "stay open. Off when not given.")
+    s.add_argument("--max-pending", type=_positive_int, default=1024,
+                   help="Overload limit: most sequences (prompts x n) admitted and not yet finished; beyond it "
+                        "--overload-policy applies.")
+    s.add_argument("--overload-policy", default="reject", choices=["reject", "wait"],
+                   help="Beyond --max-pending: reject answers 503 with a Retry-After header; wait holds the "
+                        "request until there is room (or the client goes away).")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=32 * 1024 * 1024,
+                   help="Largest request body accepted (bytes); larger ones get 413.")
+    s.add_argument("--drain-timeout", type=float, default=300.0,
+                   help="On SIGTERM, seconds to let in-flight requests finish before cancelling them.")
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="Log level (default: MSTAR_LOG_LEVEL, else info).")
+    s.add_argument("--no-access-log", action="store_true", help="Do not log one line per HTTP request.")
+    return p
+
+
+def parse_args(argv=None, prog: str = "python -m mstar.runtime.serve") -> argparse.Namespace:
+    return build_parser(prog).parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace):
+    from mstar.runtime.config import EngineConfig
+    return EngineConfig(model=args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
+                        num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed)
+
+
+def _setup_logging(level_name: str | None) -> None:
+    if level_name is None:
+        try:
+            from mstar import knobs
+            level_name = knobs.value("MSTAR_LOG_LEVEL")
+        except Exception:
+            level_name = "info"
+    logging.basicConfig(level=getattr(logging, level_name.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer, or None (then only token-id prompts are served)."""
+    try:
+        from mstar.models import load_tokenizer as load
+        return load(model)
+    except Exception as e:  # noqa: BLE001 -- a checkpoint without a tokenizer still serves token ids
+        logger.warning("no tokenizer for %s (%s): only token-id prompts will be served, responses carry no text "
+                       "(use return_token_ids)", model, e)
+        return None
+
+
+class _Stop(BaseException):
+    pass
+
+
+def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
+    args = parse_args(argv, prog)
+    _setup_logging(args.log_level)
+    t0 = time.monotonic()
+
+    # Before uvicorn takes over the signals, SIGTERM/SIGINT abort the start-up cleanly.
+    def early_stop(signum, frame):
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, early_stop)
+    signal.signal(signal.SIGINT, early_stop)
+
+    from mstar.runtime.engine_process import EngineProcess, EngineStartError
+
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        logger.error("bad engine option: %s", e)
+        return 2
+    engine = EngineProcess(config, factory=args.engine_factory)
+    try:
+        engine.start()
+        tokenizer = load_tokenizer(args.model)
+        info = engine.wait_ready(args.startup_timeout)
+    except EngineStartError as e:
+        logger.error("%s", e)
+        engine.kill()
+        return 1
+    except _Stop:
+        logger.info("stopped during start-up")
+        engine.kill()
+        return 0
+    except BaseException:
+        engine.kill()
+        raise
+    logger.info("engine ready in %.1f s (pid %s, max_model_len %s%s)", time.monotonic() - t0, info.get("pid"),
+                info.get("max_model_len"), f", device {info['device']}" if "device" in info else "")
+
+    import uvicorn
+
+    from mstar.runtime.api_server import ServerSettings, build_app
+
+    names = args.served_model_name or [args.model]
+    settings = ServerSettings(model=args.model, served_model_names=names, api_key=args.api_key,
+                              max_pending=args.max_pending, overload_policy=args.overload_policy,
+                              max_body_bytes=args.max_body_bytes)
+    app = build_app(settings, engine, tokenizer)
+    uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=(args.log_level or "info"),
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.drain_timeout,
+                            lifespan="on", timeout_keep_alive=5)
+    server = uvicorn.Server(uconfig)
+    stop_early = {"flag": False}
+
+    def late_stop(signum, frame):  # between here and uvicorn's own handlers
+        stop_early["flag"] = True
+
+    signal.signal(signal.SIGTERM, late_stop)
+    signal.signal(signal.SIGINT, late_stop)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            host, port = args.host, args.port
+            try:
+                host, port = server.servers[0].sockets[0].getsockname()[:2]
+            except Exception:
+                pass
+            shown = f"[{host}]" if ":" in str(host) else host
+            logger.info("mstar is serving %s at http://%s:%s (ready in %.1f s)", names[0], shown, port,
+                        time.monotonic() - t0)
+            if stop_early["flag"]:
+                server.should_exit = True
+        await task
+
+    code = 0
+    try:
+        asyncio.run(run())
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind
+        code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        engine.shutdown()
+    if code == 0:
+        logger.info("shut down cleanly")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

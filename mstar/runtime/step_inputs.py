@@ -1,0 +1,153 @@
+"""Build a step's ForwardContext from the scheduled rows.
+
+Everything is computed on the host in numpy, packed into two flat buffers (one int64, one
+int32) and moved to the device with one copy each; the context's tensors are views into
+those two device buffers. Per-row Python work is limited to gathering each row's page
+list and token slice (which live in Python lists in the cache manager and the sequence);
+positions, slot mapping, indptrs and last-page lengths are vectorised.
+
+Layout (see mstar/models/context.py): decode rows first (one token each, the sequence's
+last token at position len-1), then prefill rows (tokens [start, end) at positions
+start..end-1). After the step a row's KV holds `end` (prefill) or `len` (decode) tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mstar.models.context import AttentionMetadata, ForwardContext, StateMetadata
+
+
+@dataclass
+class StepRows:
+    """Host-side description of one step, in token-layout order."""
+
+    # decode rows
+    decode_tokens: list[int]
+    decode_lens: list[int]  # kv length after the step (= position + 1)
+    decode_pages: list[list[int]]
+    decode_slots: list[int]
+    # prefill rows
+    prefill_tokens: list[int]  # flattened chunks
+    prefill_starts: list[int]
+    prefill_ends: list[int]
+    prefill_pages: list[list[int]]
+    prefill_slots: list[int]
+    prefill_samples: list[bool]
+    # snapshots: (token index relative to the first prefill token, slot)
+    snapshots: list[tuple[int, int]]
+
+
+class StepInputBuilder:
+    def __init__(self, *, page_size: int, device: torch.device, has_attention: bool, has_state: bool):
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.has_attention = has_attention
+        self.has_state = has_state
+        self._pin = self.device.type == "cuda"
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.device.type == "cpu":
+            return t
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def build(self, rows: StepRows) -> tuple[ForwardContext, int]:
+        """(context, number of rows that sample). logits_indices lists the sampling rows:
+        every decode row, then the prefill rows whose chunk ends the known tokens."""
+        ps = self.page_size
+        D = len(rows.decode_tokens)
+        P = len(rows.prefill_starts)
+
+        # ---- decode -------------------------------------------------------------------------
+        d_len = np.asarray(rows.decode_lens, dtype=np.int64)
+        d_pos = d_len - 1
+        d_npages = (d_len + ps - 1) // ps
+        d_pages_flat = [p for pages, n in zip(rows.decode_pages, d_npages.tolist()) for p in pages[:n]] \
+            if self.has_attention else []
+        d_indices = np.asarray(d_pages_flat, dtype=np.int64)
+        d_indptr = np.zeros(D + 1, dtype=np.int64)
+        np.cumsum(d_npages, out=d_indptr[1:])
+        d_last = d_len - (d_npages - 1) * ps
+
+        # ---- prefill ------------------------------------------------------------------------
+        p_start = np.asarray(rows.prefill_starts, dtype=np.int64)
+        p_end = np.asarray(rows.prefill_ends, dtype=np.int64)
+        p_qlen = p_end - p_start
+        qo_indptr = np.zeros(P + 1, dtype=np.int64)
+        np.cumsum(p_qlen, out=qo_indptr[1:])
+        n_pref = int(qo_indptr[-1])
+        rep_start = np.repeat(p_start - qo_indptr[:-1], p_qlen)
+        p_pos = np.arange(n_pref, dtype=np.int64) + rep_start
+        p_npages = (p_end + ps - 1) // ps
+        p_pages_flat = [p for pages, n in zip(rows.prefill_pages, p_npages.tolist()) for p in pages[:n]] \
+            if self.has_attention else []
+        p_indices = np.asarray(p_pages_flat, dtype=np.int64)
+        p_indptr = np.zeros(P + 1, dtype=np.int64)
+        np.cumsum(p_npages, out=p_indptr[1:])
+        p_last = p_end - (p_npages - 1) * ps
+
+        # ---- token-level arrays ---------------------------------------------------------------
+        T = D + n_pref
+        input_ids = np.empty(T, dtype=np.int64)
+        input_ids[:D] = rows.decode_tokens
+        input_ids[D:] = rows.prefill_tokens
+        positions = np.concatenate([d_pos, p_pos])
+
+        if self.has_attention:
+            d_slot = d_indices[d_indptr[:-1] + d_pos // ps] * ps + d_pos % ps if D else d_pos
+            if n_pref:
+                pg = p_indices[np.repeat(p_indptr[:-1], p_qlen) + p_pos // ps]
+                p_slot = pg * ps + p_pos % ps
+            else:
+                p_slot = p_pos
+            slot_mapping = np.concatenate([d_slot, p_slot])
+        else:
+            slot_mapping = np.zeros(0, dtype=np.int64)
+
+        samples = np.asarray(rows.prefill_samples, dtype=bool)
+        logits_idx = np.concatenate([np.arange(D, dtype=np.int64), D + qo_indptr[1:][samples] - 1])
+        n_sample = int(logits_idx.shape[0])
+
+        snaps = rows.snapshots
+        snap_idx = np.asarray([s[0] for s in snaps], dtype=np.int64)
+        snap_slots = np.asarray([s[1] for s in snaps], dtype=np.int64)
+
+        # ---- pack: one int64 buffer, one int32 buffer -------------------------------------------
+        i64_parts = [input_ids, positions, slot_mapping, logits_idx,
+                     np.asarray(rows.decode_slots, dtype=np.int64),
+                     np.asarray(rows.prefill_slots, dtype=np.int64), snap_idx, snap_slots]
+        i32_parts = [d_indptr, d_indices, d_last, qo_indptr, p_indptr, p_indices, p_last]
+        b64 = self._to_device(np.concatenate(i64_parts))
+        b32 = self._to_device(np.concatenate(i32_parts).astype(np.int32))
+        v64 = _split(b64, [len(a) for a in i64_parts])
+        v32 = _split(b32, [len(a) for a in i32_parts])
+        t_ids, t_pos, t_slotmap, t_logits, t_dslots, t_pslots, t_snapi, t_snaps = v64
+        t_dindptr, t_dind, t_dlast, t_qo, t_pindptr, t_pind, t_plast = v32
+
+        attn = None
+        if self.has_attention:
+            attn = AttentionMetadata(slot_mapping=t_slotmap, decode_kv_indptr=t_dindptr,
+                                     decode_kv_indices=t_dind, decode_kv_last_page_len=t_dlast,
+                                     prefill_qo_indptr=t_qo, prefill_kv_indptr=t_pindptr,
+                                     prefill_kv_indices=t_pind, prefill_kv_last_page_len=t_plast)
+        state = None
+        if self.has_state:
+            state = StateMetadata(decode_slots=t_dslots, prefill_cu_seqlens=t_qo, prefill_slots=t_pslots,
+                                  snap_token_idx=t_snapi, snap_slots=t_snaps)
+        ctx = ForwardContext(input_ids=t_ids, positions=t_pos, num_decode_tokens=D, attn=attn, state=state,
+                             logits_indices=t_logits)
+        return ctx, n_sample
+
+
+def _split(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for n in sizes:
+        out.append(buf[o:o + n])
+        o += n
+    return out

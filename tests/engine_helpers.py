@@ -1,0 +1,164 @@
+"""Test-only helpers for the engine tests: tiny random Qwen3.5 / Qwen3 checkpoints written
+by transformers (save_pretrained, with the byte tokenizer) into a temp dir once per
+process, the HF greedy reference (cached per prompt), and engine construction.
+
+HF's Qwen3.5 picks the fla Triton kernels when fla is installed, which cannot run on a
+CPU-only machine; `hf_model` switches the module back to its pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+import tempfile
+
+import torch
+
+VOCAB = 320  # > 259 ids of the byte tokenizer
+EOS = 258  # <|im_end|> of the byte tokenizer
+
+
+def _torch_paths_for_hf_qwen3_5() -> None:
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hm
+    for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+              "causal_conv1d_update"):
+        f = getattr(hm, n, None)
+        if f is None:
+            continue
+        while hasattr(f, "__wrapped__"):
+            f = f.__wrapped__
+        setattr(hm, n, f)
+
+
+def _config(kind: str):
+    if kind == "qwen3.5":
+        from transformers import Qwen3_5TextConfig
+        return Qwen3_5TextConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
+    if kind == "qwen3":
+        from transformers import Qwen3Config
+        return Qwen3Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=EOS)
+    raise ValueError(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(kind: str):
+    """The transformers model (fp32, eval), random weights with enough spread that the
+    next-token distribution is far from uniform."""
+    from transformers import AutoModelForCausalLM
+    _torch_paths_for_hf_qwen3_5()
+    cfg = _config(kind)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1234)
+    zero_centred = kind == "qwen3.5"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 8.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 0.5)
+            elif "norm" in name:
+                base = 0.0 if zero_centred and "linear_attn.norm" not in name else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            else:
+                std = 1.0 if "embed" in name else 1.0 / math.sqrt(p.shape[-1])
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.eval()
+
+
+_DIR = None
+
+
+@functools.lru_cache(maxsize=None)
+def model_dir(kind: str) -> str:
+    """A checkpoint dir (config.json + safetensors + byte tokenizer) for `kind`."""
+    global _DIR
+    if _DIR is None:
+        _DIR = tempfile.mkdtemp(prefix="mstar-engine-tests-")
+    path = os.path.join(_DIR, kind)
+    hf_model(kind).save_pretrained(path)
+    from mstar.models.tokenizer import byte_tokenizer
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy(kind: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    model = hf_model(kind)
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy(kind: str, prompt: list[int], n: int = 32) -> list[int]:
+    """HF generate (do_sample=False, eos ignored), the prompt alone, no padding."""
+    return list(_hf_greedy(kind, tuple(prompt), n))
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine(kind: str, **opts):
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    opts.setdefault("dtype", "float32")
+    opts.setdefault("device", "cpu")
+    opts.setdefault("max_model_len", 512)
+    return EngineCore(EngineConfig(model=model_dir(kind), **opts))
+
+
+def llm(kind: str, **opts):
+    from mstar.runtime.llm import LLM
+    opts.setdefault("dtype", "float32")
+    opts.setdefault("device", "cpu")
+    opts.setdefault("max_model_len", 512)
+    return LLM(model_dir(kind), **opts)
+
+
+def run_all(core, reqs) -> dict:
+    """Add EngineRequests, step to the end; {request_id: (token ids, finish_reason)}."""
+    for r in reqs:
+        core.add_request(r)
+    toks: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    fin: dict[str, str] = {}
+    while core.has_unfinished():
+        for o in core.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                fin[o.request_id] = o.finish_reason
+    return {k: (v, fin.get(k)) for k, v in toks.items()}
+
+
+def assert_no_leaks(core) -> None:
+    """Nothing queued or running, and every page / slot free once the prefix cache is dropped."""
+    assert not core.has_unfinished()
+    assert not core.scheduler.running and not core.scheduler.waiting
+    core.cm.check()
+    core.reset_prefix_cache()
+    s = core.cm.stats()
+    assert s.free_pages == s.total_pages, s
+    assert s.used_pages == 0 and s.cached_pages == 0, s
+    assert s.free_slots == s.total_slots, s
+    assert s.snapshot_slots_free == s.snapshot_slots_total, s
+    assert s.offloaded_requests == 0, s
+    assert core.sampler.num_free == core.sampler.max_rows
+    core.cm.check()

@@ -1,0 +1,150 @@
+"""Every fast backend against the reference on fresh random inputs, on the GPU.
+Marked `gpu`: skipped on a CPU machine, run on the GPU host (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar import knobs, ops
+from mstar.ops import registry
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _fast_backends(op):
+    e = registry.get(op)
+    return [b.name for b in e.backends.values() if b.name != "reference" and DEV in b.devices and b.is_available()]
+
+
+def _check(op, backend, args, tol, mutated=()):
+    e = registry.get(op)
+    a1 = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    a2 = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    got = e.backends[backend].fn(*a1)
+    want = e.backends["reference"].fn(*a2)
+
+    def close(x, y):
+        if x is None:
+            return
+        if isinstance(x, (tuple, list)):
+            for xx, yy in zip(x, y):
+                close(xx, yy)
+            return
+        assert not torch.isnan(x.float()).any()
+        err = (x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12)
+        assert err < tol, f"{op}/{backend}: relative error {err:.2e} > {tol}"
+
+    close(got, want)
+    for i in mutated:
+        close(a1[i], a2[i])
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def r(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEV, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_elementwise(dtype):
+    for n, h in [(1, 1024), (37, 2560), (300, 1000)]:
+        x, res, w = r(n, h, dtype=dtype), r(n, h, dtype=dtype), r(h, dtype=dtype)
+        for b in _fast_backends("rms_norm"):
+            _check("rms_norm", b, (x, w, 1e-6, True), _tol(dtype))
+            _check("rms_norm", b, (x, w, 1e-6, False), _tol(dtype))
+        for b in _fast_backends("fused_add_rms_norm"):
+            _check("fused_add_rms_norm", b, (x, res, w, 1e-6, True), _tol(dtype))
+        for b in _fast_backends("silu_and_mul"):
+            _check("silu_and_mul", b, (r(n, 2 * h, dtype=dtype),), _tol(dtype))
+    z = r(64 * 16, 128, dtype=dtype)
+    for b in _fast_backends("gated_rms_norm"):
+        _check("gated_rms_norm", b, (r(64 * 16, 128, dtype=dtype), z, r(128, dtype=dtype), 1e-6), _tol(dtype))
+    for b in _fast_backends("l2_norm"):
+        _check("l2_norm", b, (r(33, 16, 128, dtype=dtype), 1e-6), _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_kv_append(dtype):
+    cache = ops.build_cos_sin_cache(4096, 64, 1e7, device=DEV)
+    t = 77
+    pos = torch.randint(0, 4096, (t,), device=DEV)
+    for b in _fast_backends("rotary_embedding"):
+        _check("rotary_embedding", b, (pos, r(t, 8, 256, dtype=dtype), r(t, 2, 256, dtype=dtype), cache, 64),
+               _tol(dtype))
+    kc, vc = r(40, 16, 2, 256, dtype=dtype), r(40, 16, 2, 256, dtype=dtype)
+    slots = torch.randperm(40 * 16, device=DEV)[:t]
+    slots[3] = -1
+    for b in _fast_backends("kv_append"):
+        _check("kv_append", b, (r(t, 2, 256, dtype=dtype), r(t, 2, 256, dtype=dtype), kc, vc, slots), 1e-6,
+               mutated=(2, 3))
+
+
+def _paged(lens, page, hkv, d, dtype):
+    n_pages = sum((l + page - 1) // page for l in lens) + 3
+    kc, vc = r(n_pages, page, hkv, d, dtype=dtype), r(n_pages, page, hkv, d, dtype=dtype)
+    perm = torch.randperm(n_pages, device=DEV).to(torch.int32)
+    indptr, used = [0], 0
+    for l in lens:
+        used += (l + page - 1) // page
+        indptr.append(used)
+    last = [l - (l - 1) // page * page for l in lens]
+    return (kc, vc, torch.tensor(indptr, dtype=torch.int32, device=DEV), perm[:used].contiguous(),
+            torch.tensor(last, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 256), (16, 4, 256), (32, 8, 128)])
+def test_paged_attention(hq, hkv, d):
+    dtype = torch.bfloat16
+    lens = [1, 15, 16, 17, 300, 64]
+    kc, vc, indptr, idx, last = _paged(lens, 16, hkv, d, dtype)
+    for b in _fast_backends("paged_attention_decode"):
+        _check("paged_attention_decode", b, (r(len(lens), hq, d, dtype=dtype), kc, vc, indptr, idx, last, d ** -0.5),
+               2e-2)
+    qo = [1, 5, 16, 17, 100, 64]
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo).cumsum(0).tolist()), dtype=torch.int32, device=DEV)
+    for b in _fast_backends("paged_attention_prefill"):
+        _check("paged_attention_prefill", b,
+               (r(sum(qo), hq, d, dtype=dtype), kc, vc, qo_indptr, indptr, idx, last, d ** -0.5), 2e-2)
+
+
+def _gdn_inputs(t, h, dk, dv, dtype):
+    q = torch.nn.functional.normalize(r(t, h, dk), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(r(t, h, dk), dim=-1).to(dtype)
+    return q, k, r(t, h, dv, dtype=dtype), -torch.rand(t, h, device=DEV) * 0.5, torch.rand(t, h, device=DEV).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_and_conv(dtype):
+    h, dk, dv = 16, 128, 128
+    pool = r(10, h, dk, dv) * 0.1
+    slots = torch.tensor([7, 2, 5], device=DEV)
+    for b in _fast_backends("gdn_decode"):
+        _check("gdn_decode", b, (*_gdn_inputs(3, h, dk, dv, dtype), pool, slots, dk ** -0.5), 2e-2, mutated=(5,))
+    cu = torch.tensor([0, 1, 70, 330], dtype=torch.int32, device=DEV)
+    none = torch.empty(0, dtype=torch.int64, device=DEV)
+    snap_t = torch.tensor([0, 15, 31, 100, 329], device=DEV)
+    snap_s = torch.tensor([0, 1, 3, 4, 6], device=DEV)
+    for b in _fast_backends("gdn_prefill"):
+        _check("gdn_prefill", b, (*_gdn_inputs(330, h, dk, dv, dtype), pool, cu, slots, none, none, dk ** -0.5),
+               2e-2, mutated=(5,))
+        _check("gdn_prefill", b, (*_gdn_inputs(330, h, dk, dv, dtype), pool, cu, slots, snap_t, snap_s, dk ** -0.5),
+               2e-2, mutated=(5,))
+    c, kk = 6144, 4
+    cpool = r(10, c, kk - 1, dtype=dtype)
+    for b in _fast_backends("causal_conv1d_update"):
+        _check("causal_conv1d_update", b, (r(3, c, dtype=dtype), r(c, kk, dtype=dtype), None, cpool, slots, True),
+               _tol(dtype), mutated=(3,))
+
+
+def test_verify_mode_on_gpu():
+    x, w = r(64, 1024, dtype=torch.bfloat16), r(1024, dtype=torch.bfloat16)
+    ops.reset_verify_report()
+    with knobs.override(MSTAR_VERIFY=True):
+        ops.rms_norm(x, w, 1e-6, True)
+    rep = ops.verify_report()
+    if _fast_backends("rms_norm"):
+        assert rep["rms_norm"]["calls"] == 1 and rep["rms_norm"]["max_abs_diff"] < 0.1

@@ -1,0 +1,229 @@
+"""The sample op (greedy, temperature, top-k / top-p / min-p, counter-based randomness,
+logprobs) and apply_penalties.
+
+Statistical checks use fixed seeds (so they are deterministic) and N = 20000 draws: every
+empirical frequency must lie within 5 standard deviations sqrt(p(1-p)/N) of its float64
+probability, and Pearson's chi-square must stay below the 0.9999 quantile bound used below."""
+
+import math
+
+import pytest
+import torch
+
+from mstar import ops
+from mstar.ops.sampling import uniform_noise
+
+N = 20000
+
+
+def _params(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
+    f = lambda val, dt: torch.full((B,), val, dtype=dt)  # noqa: E731
+    return (f(temperature, torch.float32), f(top_k, torch.int64), f(top_p, torch.float32), f(min_p, torch.float32),
+            torch.arange(B, dtype=torch.int64) if seeds is None else seeds,
+            torch.zeros(B, dtype=torch.int64) if steps is None else steps)
+
+
+def _allowed_probs(logits, temperature, top_k, top_p, min_p):
+    """float64 reference for one row: the filtered, renormalised distribution."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(p, descending=True, stable=True)
+    ps = p[order]
+    keep = torch.ones_like(ps, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    ps = torch.where(keep, ps, 0.0)
+    ps = ps / ps.sum()
+    if top_p < 1.0:
+        before = torch.cumsum(ps, 0) - ps
+        assert ((before - top_p).abs() > 1e-4).all(), "test case too close to the top-p boundary"
+        keep &= before < top_p
+        keep[0] = True
+    if min_p > 0.0:
+        keep &= ps >= min_p * ps[0]
+    out = torch.zeros_like(p)
+    out[order] = torch.where(keep, ps, 0.0)
+    return out / out.sum()
+
+
+def _check_distribution(tokens, probs, what):
+    V = probs.numel()
+    counts = torch.bincount(tokens, minlength=V).double()
+    freq = counts / tokens.numel()
+    assert (counts[probs == 0] == 0).all(), f"{what}: sampled a token outside the allowed set"
+    sd = (probs * (1 - probs) / tokens.numel()).sqrt()
+    dev = ((freq - probs).abs() / sd.clamp_min(1e-12))[probs > 0]
+    assert dev.max() < 5.0, f"{what}: frequency {dev.max():.2f} sd from its probability"
+    support = probs > 0
+    expected = probs[support] * tokens.numel()
+    chi2 = (((counts[support] - expected) ** 2) / expected).sum().item()
+    df = int(support.sum()) - 1
+    # Wilson-Hilferty bound for the 0.9999 chi-square quantile (z = 3.72)
+    bound = df * (1 - 2 / (9 * df) + 3.72 * math.sqrt(2 / (9 * df))) ** 3 if df > 0 else 0.0
+    assert chi2 <= bound + 1e-9, f"{what}: chi2 {chi2:.1f} > {bound:.1f} (df {df})"
+
+
+def test_greedy_is_argmax():
+    gen = torch.Generator().manual_seed(0)
+    B, V = 8, 1000
+    logits = torch.randn(B, V, generator=gen)
+    logits[0, 10] = logits[0, 700] = 50.0  # tie: lowest index wins
+    logits[1, :] = 0.0  # all tied
+    temperature = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.7, 0.0, 1.3])
+    params = _params(B)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lg = logits.to(dtype)
+        tok, *_ = ops.sample(lg, temperature, *params[1:], 0)
+        am = lg.float().argmax(-1)
+        greedy = temperature == 0
+        assert torch.equal(tok[greedy], am[greedy])
+        assert tok[0] == 10 and tok[1] == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_distribution_matches_softmax(temperature):
+    gen = torch.Generator().manual_seed(1)
+    V = 12
+    logits = torch.randn(V, generator=gen) * 1.5
+    probs = torch.softmax(logits.double() / temperature, -1)
+    # many requests (seeds), one step each
+    tok, *_ = ops.sample(logits.expand(N, V), *_params(N, temperature), 0)
+    _check_distribution(tok, probs, f"over seeds, T={temperature}")
+    # one request, many steps
+    tok, *_ = ops.sample(logits.expand(N, V), *_params(N, temperature, seeds=torch.full((N,), 1234567890123),
+                                                       steps=torch.arange(N)), 0)
+    _check_distribution(tok, probs, f"over steps, T={temperature}")
+
+
+_P = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.08, 0.06, 0.04, 0.03, 0.015, 0.005])
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,n_allowed", [
+    (1.0, 4, 1.0, 0.0, 4),
+    (1.0, 0, 0.6, 0.0, 3),
+    (1.0, 0, 1.0, 0.25, 5),
+    (1.0, 6, 0.8, 0.1, 4),
+    (1.0, 0, 0.9, 0.3, 4),
+    (2.0, 0, 0.5, 0.0, None),
+    (0.5, 8, 0.97, 0.02, None),
+    (1.0, 1, 1.0, 0.0, 1),
+    (1.0, 0, 0.1, 0.0, 1),
+])
+def test_filters_stay_in_allowed_set(temperature, top_k, top_p, min_p, n_allowed):
+    gen = torch.Generator().manual_seed(2)
+    perm = torch.randperm(len(_P), generator=gen)  # sorted order != index order
+    logits = (_P.log() + 3.0)[perm]
+    probs = _allowed_probs(logits, temperature, top_k, top_p, min_p)
+    if n_allowed is not None:
+        assert int((probs > 0).sum()) == n_allowed
+    tok, *_ = ops.sample(logits.expand(N, -1), *_params(N, temperature, top_k, top_p, min_p), 0)
+    _check_distribution(tok, probs, f"T={temperature} k={top_k} p={top_p} min_p={min_p}")
+
+
+def _mixed_batch(B, V, gen):
+    logits = torch.randn(B, V, generator=gen) * 3
+    temperature = torch.rand(B, generator=gen) * 1.5
+    temperature[::4] = 0.0
+    top_k = torch.randint(-1, 50, (B,), generator=gen)
+    top_p = torch.where(torch.rand(B, generator=gen) < 0.5, torch.ones(B), torch.rand(B, generator=gen))
+    min_p = torch.where(torch.rand(B, generator=gen) < 0.5, torch.zeros(B), torch.rand(B, generator=gen) * 0.3)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (B,), generator=gen)
+    steps = torch.randint(0, 5000, (B,), generator=gen)
+    return logits, temperature, top_k, top_p, min_p, seeds, steps
+
+
+def test_batch_independence():
+    gen = torch.Generator().manual_seed(3)
+    B, V = 16, 5000
+    args = _mixed_batch(B, V, gen)
+    tok, lp, ti, tl = ops.sample(*args, 4)
+    perm = torch.randperm(B, generator=gen)
+    tok_p, lp_p, ti_p, tl_p = ops.sample(*(a[perm] for a in args), 4)
+    assert torch.equal(tok_p, tok[perm]) and torch.equal(lp_p, lp[perm]) and torch.equal(ti_p, ti[perm])
+    assert torch.equal(tl_p, tl[perm])
+    for i in range(B):
+        t1, l1, i1, _ = ops.sample(*(a[i:i + 1] for a in args), 4)
+        assert t1.item() == tok[i].item(), f"row {i} differs alone"
+        assert l1.item() == lp[i].item() and torch.equal(i1[0], ti[i])
+
+
+def test_reproducible_and_steps_differ():
+    V = 1000
+    logits = torch.zeros(1, V)  # uniform: any change of randomness changes the token
+    p = _params(1)
+    seed = torch.tensor([42])
+    toks = [ops.sample(logits, p[0], p[1], p[2], p[3], seed, torch.tensor([s]), 0)[0].item() for s in range(64)]
+    again = [ops.sample(logits, p[0], p[1], p[2], p[3], seed, torch.tensor([s]), 0)[0].item() for s in range(64)]
+    assert toks == again
+    assert len(set(toks)) > 55  # 64 draws from 1000: collisions are rare
+    other = [ops.sample(logits, p[0], p[1], p[2], p[3], torch.tensor([43]), torch.tensor([s]), 0)[0].item()
+             for s in range(64)]
+    assert sum(a == b for a, b in zip(toks, other)) < 4
+
+
+def test_noise_is_uniform_and_decorrelated():
+    seeds = torch.arange(500, dtype=torch.int64) * 7919 - 10 ** 12
+    steps = torch.arange(500, dtype=torch.int64) % 17
+    u = uniform_noise(seeds, steps, 2000).double()
+    assert u.min() > 0 and u.max() < 1
+    n = u.numel()
+    hist = torch.histc(u, bins=20, min=0, max=1) / n
+    assert (hist - 0.05).abs().max() < 5 * math.sqrt(0.05 * 0.95 / n)
+    assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    # neighbours in vocab index and in seed are uncorrelated
+    c = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs().item()  # noqa: E731
+    assert c(u[:, 1:], u[:, :-1]) < 5 / math.sqrt(n)
+    assert c(u[1:], u[:-1]) < 5 / math.sqrt(n)
+    # consecutive steps of one seed
+    v = uniform_noise(torch.full((500,), 9, dtype=torch.int64), torch.arange(500), 2000).double()
+    assert c(v[1:], v[:-1]) < 5 / math.sqrt(n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs(dtype):
+    gen = torch.Generator().manual_seed(4)
+    B, V = 6, 3000
+    args = _mixed_batch(B, V, gen)
+    logits = args[0].to(dtype)
+    tok, lp, top_ids, top_lp = ops.sample(logits, *args[1:], 5)
+    ref = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(lp.double(), ref.gather(1, tok[:, None])[:, 0], atol=1e-5, rtol=1e-5)
+    r_lp, r_ids = ref.topk(5, dim=-1)
+    assert torch.equal(top_ids, r_ids)
+    torch.testing.assert_close(top_lp.double(), r_lp, atol=1e-5, rtol=1e-5)
+    assert lp.dtype == top_lp.dtype == torch.float32 and tok.dtype == top_ids.dtype == torch.int64
+    tok0, _, ids0, lp0 = ops.sample(logits, *args[1:], 0)
+    assert ids0.shape == (B, 0) and lp0.shape == (B, 0) and torch.equal(tok0, tok)
+
+
+def test_apply_penalties_vs_loop():
+    gen = torch.Generator().manual_seed(5)
+    B, V = 4, 60
+    logits = torch.randn(B, V, generator=gen) * 3
+    prompt_mask = torch.rand(B, V, generator=gen) < 0.2
+    counts = torch.randint(0, 4, (B, V), generator=gen) * (torch.rand(B, V, generator=gen) < 0.3)
+    rp = torch.tensor([1.0, 1.3, 0.8, 2.0])
+    pres = torch.tensor([0.0, 0.5, -0.2, 1.0])
+    freq = torch.tensor([0.0, 0.1, 0.3, -0.05])
+    before = logits.clone()
+    out = ops.apply_penalties(logits, prompt_mask, counts, rp, pres, freq)
+    assert torch.equal(logits, before)
+    ref = torch.empty(B, V, dtype=torch.float64)
+    for b in range(B):
+        for i in range(V):
+            x = logits[b, i].item()
+            c = counts[b, i].item()
+            if prompt_mask[b, i] or c > 0:
+                x = x / rp[b].item() if x > 0 else x * rp[b].item()
+            if c > 0:
+                x -= pres[b].item()
+            x -= freq[b].item() * c
+            ref[b, i] = x
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-6)
+    assert torch.equal(out[0], logits[0])  # neutral penalties
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    args = _mixed_batch(5, 300, gen)
+    for n in (3, 0):
+        torch.library.opcheck(ops.sample.overload, (*args, n))
