@@ -49,7 +49,7 @@ def _config(kind: str):
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=EOS)
+            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
     raise ValueError(kind)
 
 
@@ -162,3 +162,4 @@ def assert_no_leaks(core) -> None:
     assert s.offloaded_requests == 0, s
     assert core.sampler.num_free == core.sampler.max_rows
     core.cm.check()
+POOL_SEED = 21

@@ -68,7 +68,30 @@ class Harness:
         for r in self.caches.recurrent_states:
             r[slot].zero_()
 
-    def build_context(self, decode: dict[int, int], prefill: dict[int, list[int]]) -> ForwardContext:
+    def spare_slots(self) -> list[int]:
+        """State slots no sequence owns (for prefix-cache snapshots)."""
+        used = set(self.slots.values())
+        return [i for i in range(self.caches.recurrent_states[0].shape[0]) if i not in used] \
+            if self.caches.recurrent_states else []
+
+    def _flat_slot(self, s: int, p: int) -> int:
+        return self.pages[s][p // self.page_size] * self.page_size + p % self.page_size
+
+    def fork(self, dst: int, src: int, n: int, snap_slot: int | None) -> None:
+        """Start sequence dst as a copy of src's first n tokens (as a prefix cache would):
+        their KV, and the recurrent state snapshotted after token n - 1 into snap_slot."""
+        idx_src = torch.tensor([self._flat_slot(src, p) for p in range(n)], device=self.device)
+        idx_dst = torch.tensor([self._flat_slot(dst, p) for p in range(n)], device=self.device)
+        for c in self.caches.k_caches + self.caches.v_caches:
+            flat = c.view(-1, *c.shape[2:])
+            flat[idx_dst] = flat[idx_src]
+        for pool in self.caches.conv_states + self.caches.recurrent_states:
+            pool[self.slots[dst]] = pool[snap_slot]
+        self.lens[dst] = n
+
+    def build_context(self, decode: dict[int, int], prefill: dict[int, list[int]],
+                      snapshots: dict[int, list[tuple[int, int]]] | None = None) -> ForwardContext:
+        """snapshots: {prefill seq: [(index among its new tokens, state slot)]}."""
         dseqs, pseqs = list(decode), list(prefill)
         for s in pseqs:
             if self.lens.get(s, 0) == 0:
@@ -81,7 +104,7 @@ class Harness:
                 p = start + j
                 ids.append(t)
                 pos.append(p)
-                slot_map.append(self.pages[s][p // self.page_size] * self.page_size + p % self.page_size)
+                slot_map.append(self._flat_slot(s, p))
         dev = self.device
         i64 = dict(dtype=torch.int64, device=dev)
         d_ind = self._kv_rows(dseqs, [1] * len(dseqs))
@@ -90,6 +113,12 @@ class Harness:
         for s in pseqs:
             qo.append(qo[-1] + len(prefill[s]))
         qo_t = torch.tensor(qo, dtype=torch.int32, device=dev)
+        snap_idx, snap_slots = [], []
+        for s, q0 in zip(pseqs, qo):
+            for j, slot in (snapshots or {}).get(s, []):
+                assert 0 <= j < len(prefill[s])
+                snap_idx.append(q0 + j)
+                snap_slots.append(slot)
         spec = self.spec
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slot_map, **i64),
@@ -100,18 +129,19 @@ class Harness:
             decode_slots=torch.tensor([self.slots[s] for s in dseqs], **i64),
             prefill_cu_seqlens=qo_t.clone(),
             prefill_slots=torch.tensor([self.slots[s] for s in pseqs], **i64),
-            snap_token_idx=torch.zeros(0, **i64), snap_slots=torch.zeros(0, **i64)) if spec.state else None
+            snap_token_idx=torch.tensor(snap_idx, **i64), snap_slots=torch.tensor(snap_slots, **i64)) \
+            if spec.state else None
         return ForwardContext(input_ids=torch.tensor(ids, **i64), positions=torch.tensor(pos, **i64),
                               num_decode_tokens=len(dseqs), attn=attn, state=state)
 
     # --- stepping -----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, decode: dict[int, int] | None = None,
-             prefill: dict[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    def step(self, decode: dict[int, int] | None = None, prefill: dict[int, list[int]] | None = None,
+             snapshots: dict[int, list[tuple[int, int]]] | None = None) -> dict[int, torch.Tensor]:
         """Run one step; returns {seq: float32 logits of every new token [n, vocab]}."""
         decode, prefill = decode or {}, prefill or {}
         assert not set(decode) & set(prefill)
-        ctx = self.build_context(decode, prefill)
+        ctx = self.build_context(decode, prefill, snapshots)
         hidden = self.model(ctx)
         logits = self.model.compute_logits(hidden)
         out, t = {}, 0
@@ -128,5 +158,5 @@ class Harness:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (b the reference)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))

@@ -540,7 +540,7 @@ def _stress(spec, seed, n_ops, num_pages, num_slots, snaps, prefix, device="cpu"
 @pytest.mark.parametrize("spec,seed,snaps", [(KV_SPEC, 1, 0), (KV_SPEC, 2, 0), (HYBRID_SPEC, 3, 6),
                                              (HYBRID_SPEC, 4, 2), (STATE_ONLY_SPEC, 5, 4)])
 def test_stress(spec, seed, snaps):
-    counts, st = _stress(spec, seed, n_ops=2500, num_pages=24, num_slots=5, snaps=snaps, prefix=True)
+    counts, st = _stress(spec, seed, n_ops=5000, num_pages=24, num_slots=5, snaps=snaps, prefix=True)
     for name in ("admit", "hit", "step", "fork", "free", "offload", "reload", "fail"):
         assert counts[name] > 0, counts
     assert st.prefix_hit_tokens > 0 and 0 < st.hit_rate < 1

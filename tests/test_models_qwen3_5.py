@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hf_models import (check_mixed, check_prefill_then_decode, make_hf_model, qwen3_5_config)
+from hf_models import check_mixed, check_prefill_then_decode, make_hf_model, qwen3_5_config
 from mstar.models import load_model
 
 VOCAB = 512
@@ -75,3 +75,24 @@ def test_bf16_runs_close_to_fp32(checkpoint, tmp_path):
     ref = hf_logits(hf, ids)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max() / ref.abs().max() < 0.1
+
+
+def test_prefix_snapshots_resume_like_a_fresh_prefill(checkpoint):
+    """Snapshots taken mid-prefill (prefix cache) let another sequence continue from them:
+    its logits equal transformers' over the whole sequence."""
+    from hf_models import TOL, hf_logits, random_tokens
+    from model_harness import Harness, rel_err
+    hf, model = checkpoint
+    a = random_tokens(50, VOCAB, 31)
+    other = random_tokens(12, VOCAB, 32)
+    h = Harness(model, max_seqs=4, max_len=96, page_size=4)
+    spare = h.spare_slots()
+    # seq 0 prefills after seq 1 in the same step, so snapshot indices are relative to the
+    # first prefill token, not to the row; snapshots at 20 tokens and at 45 tokens
+    h.step(prefill={1: other, 0: a[:48]}, snapshots={0: [(19, spare[0]), (44, spare[1])]})
+    for n, slot, seq in ((20, spare[0], 2), (45, spare[1], 3)):
+        b = a[:n] + random_tokens(9, VOCAB, 40 + n)
+        h.fork(seq, 0, n, slot)
+        out = h.step(prefill={seq: b[n:]})[seq]
+        e = rel_err(out, hf_logits(hf, b)[n:])
+        assert e < TOL, f"resume after {n}: rel err {e:.2e}"

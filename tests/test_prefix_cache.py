@@ -69,10 +69,13 @@ def test_page_key_is_stable_and_chained():
 
 
 def test_prefix_cache_lru_and_snapshot_tiers():
-    pc = PrefixCache()
-    es = [pc.insert(bytes([i]) * 16, page=i, snapshot=100 + i, idle=False) for i in range(4)]
+    pc = PrefixCache(num_pages=8)
+    for i in range(4):
+        pc.insert(bytes([i]) * 16, page=i, snapshot=100 + i, idle=False)
+    assert pc.get(bytes([2]) * 16) == 2 and pc.get(b"x" * 16) is None
+    assert pc.key_of(2) == bytes([2]) * 16 and pc.snapshot_of(2) == 102 and not pc.is_idle(2)
     with pytest.raises(KeyError):
-        pc.insert(bytes([0]) * 16, page=9, snapshot=None, idle=False)
+        pc.insert(bytes([0]) * 16, page=5, snapshot=None, idle=False)
     with pytest.raises(KeyError):
         pc.insert(bytes([9]) * 16, page=0, snapshot=None, idle=False)
     assert pc.num_idle == 0 and pc.evict_page() is None
@@ -84,15 +87,18 @@ def test_prefix_cache_lru_and_snapshot_tiers():
     assert pc.idle_pages() == [2, 3, 0]
     pc.check()
     # snapshots: idle LRU first, then busy
-    assert pc.evict_snapshot() == 102 and es[2].snapshot is None and pc.is_cached(2)
+    assert pc.evict_snapshot() == 102 and pc.snapshot_of(2) is None and pc.is_cached(2)
     assert pc.evict_page() == (2, None)
     assert pc.evict_page() == (3, 103)
+    assert not pc.is_cached(3) and pc.get(bytes([3]) * 16) is None
     assert pc.evict_snapshot() == 100  # page 0 idle
     assert pc.evict_snapshot() == 101  # page 1 busy: second tier
     assert pc.evict_snapshot() is None
+    pc.insert(b"k" * 16, page=6, snapshot=106, idle=True)
     pc.check()
     idle, snaps = pc.clear()
-    assert idle == [0] and snaps == [] and pc.num_entries == 0
+    assert idle == [0, 6] and snaps == [106] and pc.num_entries == 0
+    pc.check()
 
 
 # --- hits and misses ---------------------------------------------------------------------------
@@ -371,4 +377,17 @@ def test_reset_prefix_cache_with_running_requests():
     cm.free("a")
     cm.free("c")
     cm.check()
+    assert all_free(cm)
+
+
+def test_state_model_without_snapshot_slots_skips_prefix_cache():
+    cm = make(HYBRID_SPEC, snaps=0)
+    t = list(range(1, 12))
+    cm.admit("a", t)
+    run(cm, "a", t)
+    assert cm.admit("b", t) == 0
+    st = cm.stats()
+    assert st.cached_pages == 0 and st.prefix_queries == 0
+    cm.free("a")
+    cm.free("b")
     assert all_free(cm)

@@ -44,6 +44,7 @@ class DecoderLayer(nn.Module):
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
         self.mlp = mlp
+        self.uses_rope = isinstance(mixer, QKNormAttention)
         self.input_layernorm = RMSNorm(hidden, eps, zero_centered)
         self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered)
 
@@ -54,11 +55,7 @@ class DecoderLayer(nn.Module):
     def forward(self, ctx: ForwardContext, h: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.add_forward(h, residual)
-        mixer = self.mixer
-        if isinstance(mixer, QKNormAttention):
-            h = mixer(ctx, x, rope)
-        else:
-            h = mixer(ctx, x)
+        h = self.mixer(ctx, x, rope) if self.uses_rope else self.mixer(ctx, x)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(x), residual
 
@@ -129,11 +126,11 @@ class DecoderLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[nn.Module]:
-        return [l.mixer for l in self.model.layers if isinstance(l.mixer, QKNormAttention)]
+        return [layer.mixer for layer in self.model.layers if layer.uses_rope]
 
     @property
     def state_layers(self) -> list[nn.Module]:
-        return [l.mixer for l in self.model.layers if not isinstance(l.mixer, QKNormAttention)]
+        return [layer.mixer for layer in self.model.layers if not layer.uses_rope]
 
     # --- caches -----------------------------------------------------------------------------
     def cache_spec(self) -> CacheSpec:
@@ -261,7 +258,7 @@ class DecoderLM(nn.Module):
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
         with torch.no_grad():
-            for mod_name, module in self.named_modules():
+            for module in self.modules():
                 for pname, p in module.named_parameters(recurse=False):
                     self._init_param(pname, p, module, std, gen)
 

@@ -20,7 +20,7 @@ Where the numbers come from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 QWEN3_5_VOCAB = 248320

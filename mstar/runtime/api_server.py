@@ -148,7 +148,9 @@ class Admission:
 
 
 class _ClientGone(Exception):
-    pass
+    def __init__(self, counted: bool = False):
+        super().__init__("client disconnected")
+        self.counted = counted  # already recorded in the metrics (by _Job.close)
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,6 +176,7 @@ class Server:
         self.vocab_size: int = int(info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else 0))
         self.seqs: dict[str, _Seq] = {}
         self.dead: str | None = None
+        self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
@@ -196,6 +199,8 @@ class Server:
             kind = msg[0]
             if kind == "step":
                 self._on_step(*msg[1:])
+            elif kind == "exited" and self.stopping:
+                return
             elif kind in ("fatal", "exited"):
                 if kind == "fatal":
                     logger.error("the engine failed:\n%s", msg[1])
@@ -460,6 +465,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         server.attach(asyncio.get_running_loop())
         yield
         logger.info("stopping the engine")
+        server.stopping = True
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
     app = FastAPI(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -588,8 +594,9 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             if e.status not in (401,):
                 server.metrics.requests.labels(endpoint, outcome).inc()
             return error_response(e)
-        except _ClientGone:
-            server.metrics.requests.labels(endpoint, "aborted").inc()
+        except _ClientGone as e:
+            if not e.counted:
+                server.metrics.requests.labels(endpoint, "aborted").inc()
             return Response(status_code=499)
 
     # -- /v1/completions ------------------------------------------------------------------------
@@ -695,7 +702,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             await _until_done_or_gone(request, collect())
         except _ClientGone:
             job.close("aborted")
-            raise
+            raise _ClientGone(counted=True) from None
         except BaseException:
             job.close("error")
             raise
@@ -814,7 +821,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             await _until_done_or_gone(request, collect())
         except _ClientGone:
             job.close("aborted")
-            raise
+            raise _ClientGone(counted=True) from None
         except BaseException:
             job.close("error")
             raise
@@ -854,6 +861,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         if server.dead is not None:
             return JSONResponse({"status": "error", "engine": "dead", "message": server.dead}, status_code=503)
         return JSONResponse({"status": "ok", "engine": "alive", "engine_pid": engine.pid,
+                             "device": engine.info.get("device"), "gpu": engine.info.get("gpu"),
                              "pending": server.admission.pending})
 
     @app.get("/metrics")

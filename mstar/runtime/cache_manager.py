@@ -124,7 +124,7 @@ class CacheManager:
         self._pool = PagePool(num_pages)
         self._slots = SlotPool(0, num_slots)
         self._snap_slots = SlotPool(num_slots, num_snapshot_slots)
-        self._prefix = PrefixCache()
+        self._prefix = PrefixCache(num_pages)
         self._reqs: dict[str, _Request] = {}
 
     # ======================================================================================
@@ -207,7 +207,9 @@ class CacheManager:
         return -(-num_tokens // self.page_size)
 
     def _uses_prefix(self) -> bool:
-        return self.enable_prefix_cache
+        # a model with state can only resume from a snapshot: without snapshot slots the
+        # prefix cache could never hit, so it is skipped (no hashing, no queries counted)
+        return self.enable_prefix_cache and (not self.has_state or self.num_snapshot_slots > 0)
 
     # ======================================================================================
     # the API
@@ -231,33 +233,34 @@ class CacheManager:
         if self.has_state and self._slots.num_free == 0:
             return None
         r = _Request(root=root_key(cache_salt))
-        hit: list = []
+        hit: list[int] = []  # pages
         if self._uses_prefix():
             ps = self.page_size
-            max_pages = (n - 1) // ps
-            for i in range(max_pages):  # stop at the first miss: O(matched pages) hashing
-                extend_keys(r.keys, r.root, prompt_ids, i + 1, ps)
-                e = self._prefix.get(r.keys[i])
-                if e is None:
+            # the keys of every full prompt page: commit needs them later anyway
+            extend_keys(r.keys, r.root, prompt_ids, (n - 1) // ps, ps)
+            get = self._prefix.get
+            for key in r.keys:
+                p = get(key)
+                if p is None:
                     break
-                hit.append(e)
+                hit.append(p)
             if self.has_state:
-                while hit and hit[-1].snapshot is None:
+                while hit and self._prefix.snapshot_of(hit[-1]) is None:
                     hit.pop()
         # pages the hit takes out of the evictable set, and one page for the rest
-        idle_hits = sum(1 for e in hit if e.idle)
+        idle_hits = sum(1 for p in hit if self._prefix.is_idle(p))
         if self._available_pages() - idle_hits < 1:
             return None
         if self.has_state:
             r.slot = self._slots.allocate()
-        for e in hit:
-            self._incref(e.page)
-        r.pages = [e.page for e in hit]
+        for p in hit:
+            self._incref(p)
+        r.pages = hit
         r.num_registered = len(hit)
         r.length = r.cached_tokens = len(hit) * self.page_size
         if self.has_state:
             if hit:
-                self._copy_state(hit[-1].snapshot, r.slot)
+                self._copy_state(self._prefix.snapshot_of(hit[-1]), r.slot)
             else:
                 self._zero_state(r.slot)
         if self._uses_prefix():
@@ -306,8 +309,8 @@ class CacheManager:
                 continue
             i = p // ps
             extend_keys(r.keys, r.root, token_ids, i + 1, ps)
-            e = self._prefix.get(r.keys[i])
-            if e is not None and e.snapshot is not None:
+            cached = self._prefix.get(r.keys[i])
+            if cached is not None and self._prefix.snapshot_of(cached) is not None:
                 continue
             s = self._take_snapshot_slot()
             if s is None:
@@ -334,13 +337,13 @@ class CacheManager:
             for i in range(r.num_registered, full):
                 key, page = r.keys[i], r.pages[i]
                 snap = r.snaps.pop((i + 1) * ps - 1, None)
-                e = self._prefix.get(key)
-                if e is None:
+                cached = self._prefix.get(key)
+                if cached is None:
                     if not self._prefix.is_cached(page):  # (a page is cached under one key only)
                         self._prefix.insert(key, page, snap, idle=False)
                         snap = None
-                elif snap is not None and e.snapshot is None:
-                    self._prefix.attach_snapshot(e, snap)
+                elif snap is not None and self._prefix.snapshot_of(cached) is None:
+                    self._prefix.attach_snapshot(cached, snap)
                     snap = None
                 if snap is not None:
                     self._snap_slots.release(snap)
@@ -352,8 +355,8 @@ class CacheManager:
         return self._get(req_id).length
 
     def pages(self, req_id: str) -> list[int]:
-        """The request's page list (empty while offloaded). Do not mutate."""
-        return self._get(req_id).pages
+        """A copy of the request's page list (empty while offloaded)."""
+        return list(self._get(req_id).pages)
 
     def slot(self, req_id: str) -> int:
         """The request's state slot; -1 for models without state or while offloaded."""
@@ -451,24 +454,22 @@ class CacheManager:
         if self.has_state and self._slots.num_free == 0:
             return False
         n = r.host.num_pages
-        reuse: list = [None] * n
+        reuse: list[int | None] = [None] * n  # pages still cached under the request's keys
         if self._uses_prefix():
             for i in range(min(r.num_registered, n)):
-                e = self._prefix.get(r.keys[i])
-                if e is not None:
-                    reuse[i] = e
-        fresh_needed = sum(1 for e in reuse if e is None)
-        idle_reused = sum(1 for e in reuse if e is not None and e.idle)
+                reuse[i] = self._prefix.get(r.keys[i])
+        fresh_needed = sum(1 for p in reuse if p is None)
+        idle_reused = sum(1 for p in reuse if p is not None and self._prefix.is_idle(p))
         if fresh_needed > self._available_pages() - idle_reused:
             return False
-        for e in reuse:  # take the cached pages first so that allocation cannot evict them
-            if e is not None:
-                self._incref(e.page)
+        for p in reuse:  # take the cached pages first so that allocation cannot evict them
+            if p is not None:
+                self._incref(p)
         pages: list[int] = []
         dst, rows = [], []
-        for i, e in enumerate(reuse):
-            if e is not None:
-                pages.append(e.page)
+        for i, cp in enumerate(reuse):
+            if cp is not None:
+                pages.append(cp)
             else:
                 p = self._take_page()
                 pages.append(p)
@@ -573,7 +574,7 @@ class CacheManager:
         assert set(used_slots).isdisjoint(self._slots.free_list())
         assert len(used_slots) + self._slots.num_free == self.num_slots
         snaps = [s for r in self._reqs.values() for s in r.snaps.values()]
-        snaps += [e.snapshot for e in pf.entries() if e.snapshot is not None]
+        snaps += pf.snapshot_slots()
         assert len(set(snaps)) == len(snaps)
         assert set(snaps).isdisjoint(self._snap_slots.free_list())
         assert len(snaps) + self._snap_slots.num_free == self.num_snapshot_slots

@@ -70,6 +70,14 @@ def _engine_info(engine: Any) -> dict[str, Any]:
         v = getattr(engine, name, None)
         if v is not None:
             info[name] = v if isinstance(v, (int, float, str)) else str(v)
+    info["gpu"] = "cpu"
+    try:
+        import torch
+        dev = getattr(engine, "device", None)
+        if dev is not None and torch.device(dev).type == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(torch.device(dev))
+    except Exception:  # noqa: BLE001 -- informational only
+        pass
     cfg = getattr(engine, "config", None)
     if cfg is not None:
         for name in ("max_num_seqs", "page_size", "num_pages", "tp"):

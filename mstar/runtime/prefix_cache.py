@@ -29,7 +29,6 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 _INT32 = "i" if array("i").itemsize == 4 else "l"
 
@@ -59,28 +58,36 @@ def page_key(prev_key: bytes, page_tokens: Sequence[int]) -> bytes:
 
 def extend_keys(keys: list[bytes], root: bytes, token_ids: Sequence[int], num_pages: int,
                 page_size: int) -> None:
-    """Append keys to `keys` (keys of pages 0..len(keys)-1 of token_ids) up to num_pages."""
+    """Append keys to `keys` (keys of pages 0..len(keys)-1 of token_ids) up to num_pages.
+    One conversion of the new tokens to bytes, then one BLAKE2b call per page."""
+    start = len(keys)
+    if num_pages <= start:
+        return
+    buf = memoryview(_token_bytes(token_ids[start * page_size:num_pages * page_size]))
+    step = 4 * page_size
+    if len(buf) != (num_pages - start) * step:
+        raise ValueError(f"token_ids has fewer than {num_pages * page_size} tokens")
     prev = keys[-1] if keys else root
-    for i in range(len(keys), num_pages):
-        prev = page_key(prev, token_ids[i * page_size:(i + 1) * page_size])
+    blake2b = hashlib.blake2b
+    for j in range(0, len(buf), step):
+        h = blake2b(prev, digest_size=16)
+        h.update(buf[j:j + step])
+        prev = h.digest()
         keys.append(prev)
 
 
-@dataclass(eq=False)
-class CachedPage:
-    key: bytes
-    page: int
-    snapshot: int | None = None  # state slot holding the state after this page's last token
-    idle: bool = False  # page refcount is 0
-
-
 class PrefixCache:
-    def __init__(self) -> None:
-        self._by_key: dict[bytes, CachedPage] = {}
-        self._by_page: dict[int, CachedPage] = {}
-        self._idle: OrderedDict[int, CachedPage] = OrderedDict()  # LRU first
-        self._idle_snaps: OrderedDict[bytes, CachedPage] = OrderedDict()
-        self._busy_snaps: OrderedDict[bytes, CachedPage] = OrderedDict()
+    """Entries are indexed by page (a page is cached under at most one key); no Python
+    object is created per entry, so a large cache costs the garbage collector nothing."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._by_key: dict[bytes, int] = {}  # key -> page
+        self._key: list[bytes | None] = [None] * num_pages  # page -> key
+        self._snap: list[int] = [-1] * num_pages  # page -> snapshot slot, -1: none
+        self._idle: OrderedDict[int, None] = OrderedDict()  # idle cached pages, LRU first
+        self._idle_snaps: OrderedDict[int, None] = OrderedDict()  # idle pages with a snapshot
+        self._busy_snaps: OrderedDict[int, None] = OrderedDict()  # busy pages with a snapshot
         # hit statistics (one query per admitted request)
         self.queries = 0
         self.hit_queries = 0
@@ -88,14 +95,22 @@ class PrefixCache:
         self.hit_tokens = 0
 
     # --- lookups ---------------------------------------------------------------------------
-    def get(self, key: bytes) -> CachedPage | None:
+    def get(self, key: bytes) -> int | None:
+        """The page cached under key, or None."""
         return self._by_key.get(key)
 
-    def entry_of_page(self, page: int) -> CachedPage | None:
-        return self._by_page.get(page)
-
     def is_cached(self, page: int) -> bool:
-        return page in self._by_page
+        return self._key[page] is not None
+
+    def key_of(self, page: int) -> bytes | None:
+        return self._key[page]
+
+    def snapshot_of(self, page: int) -> int | None:
+        s = self._snap[page]
+        return None if s < 0 else s
+
+    def is_idle(self, page: int) -> bool:
+        return page in self._idle
 
     @property
     def num_entries(self) -> int:
@@ -122,108 +137,105 @@ class PrefixCache:
             self.hit_queries += 1
 
     # --- changes ---------------------------------------------------------------------------
-    def insert(self, key: bytes, page: int, snapshot: int | None, *, idle: bool) -> CachedPage:
+    def insert(self, key: bytes, page: int, snapshot: int | None, *, idle: bool) -> None:
         if key in self._by_key:
             raise KeyError("prefix key already cached")
-        if page in self._by_page:
+        if self._key[page] is not None:
             raise KeyError(f"page {page} already cached under another key")
-        e = CachedPage(key, page, None, idle)
-        self._by_key[key] = e
-        self._by_page[page] = e
+        self._by_key[key] = page
+        self._key[page] = key
         if idle:
-            self._idle[page] = e
+            self._idle[page] = None
         if snapshot is not None:
-            self.attach_snapshot(e, snapshot)
-        return e
+            self.attach_snapshot(page, snapshot)
 
-    def attach_snapshot(self, e: CachedPage, slot: int) -> None:
-        if e.snapshot is not None:
-            raise RuntimeError("entry already has a snapshot")
-        e.snapshot = slot
-        (self._idle_snaps if e.idle else self._busy_snaps)[e.key] = e
+    def attach_snapshot(self, page: int, slot: int) -> None:
+        if self._key[page] is None:
+            raise KeyError(f"page {page} is not cached")
+        if self._snap[page] >= 0:
+            raise RuntimeError(f"cached page {page} already has a snapshot")
+        self._snap[page] = slot
+        (self._idle_snaps if page in self._idle else self._busy_snaps)[page] = None
 
     def mark_busy(self, page: int) -> None:
         """The cached page's refcount went from 0 to 1."""
-        e = self._by_page[page]
-        if not e.idle:
-            raise RuntimeError(f"cached page {page} is already busy")
-        e.idle = False
+        if page not in self._idle:
+            raise RuntimeError(f"cached page {page} is not idle")
         del self._idle[page]
-        if e.snapshot is not None:
-            del self._idle_snaps[e.key]
-            self._busy_snaps[e.key] = e
+        if self._snap[page] >= 0:
+            del self._idle_snaps[page]
+            self._busy_snaps[page] = None
 
     def mark_idle(self, page: int) -> None:
         """The cached page's refcount dropped to 0: it becomes the most recently used idle page."""
-        e = self._by_page[page]
-        if e.idle:
+        if self._key[page] is None:
+            raise KeyError(f"page {page} is not cached")
+        if page in self._idle:
             raise RuntimeError(f"cached page {page} is already idle")
-        e.idle = True
-        self._idle[page] = e
-        if e.snapshot is not None:
-            del self._busy_snaps[e.key]
-            self._idle_snaps[e.key] = e
-
-    def _remove(self, e: CachedPage) -> int | None:
-        del self._by_key[e.key]
-        del self._by_page[e.page]
-        if e.idle:
-            del self._idle[e.page]
-        snap = e.snapshot
-        if snap is not None:
-            del (self._idle_snaps if e.idle else self._busy_snaps)[e.key]
-            e.snapshot = None
-        return snap
+        self._idle[page] = None
+        if self._snap[page] >= 0:
+            del self._busy_snaps[page]
+            self._idle_snaps[page] = None
 
     def evict_page(self) -> tuple[int, int | None] | None:
         """Drop the least recently used idle entry: (its page, its snapshot slot or None),
         both now unowned; None when no page is idle."""
         if not self._idle:
             return None
-        e = next(iter(self._idle.values()))
-        snap = self._remove(e)
-        return e.page, snap
+        page, _ = self._idle.popitem(last=False)
+        del self._by_key[self._key[page]]
+        self._key[page] = None
+        snap = self._snap[page]
+        if snap < 0:
+            return page, None
+        self._snap[page] = -1
+        del self._idle_snaps[page]
+        return page, snap
 
     def evict_snapshot(self) -> int | None:
-        """Detach a snapshot (idle entries LRU first, then busy ones) and return its slot."""
+        """Detach a snapshot (idle entries LRU first, then busy ones) and return its slot;
+        the page stays cached."""
         for tier in (self._idle_snaps, self._busy_snaps):
             if tier:
-                _, e = tier.popitem(last=False)
-                slot = e.snapshot
-                e.snapshot = None
+                page, _ = tier.popitem(last=False)
+                slot = self._snap[page]
+                self._snap[page] = -1
                 return slot
         return None
 
     def clear(self) -> tuple[list[int], list[int]]:
         """Forget every entry. Returns (idle pages, snapshot slots) that are now unowned;
         pages of busy entries stay with their requests and simply stop being cached."""
-        idle_pages = list(self._idle.keys())
-        snaps = [e.snapshot for e in self._by_key.values() if e.snapshot is not None]
-        for e in self._by_key.values():
-            e.snapshot = None
+        idle_pages = list(self._idle)
+        snaps = [self._snap[p] for p in (*self._idle_snaps, *self._busy_snaps)]
+        for p in self._by_key.values():
+            self._key[p] = None
+            self._snap[p] = -1
         self._by_key.clear()
-        self._by_page.clear()
         self._idle.clear()
         self._idle_snaps.clear()
         self._busy_snaps.clear()
         return idle_pages, snaps
 
     # --- checks ----------------------------------------------------------------------------
-    def entries(self) -> list[CachedPage]:
-        return list(self._by_key.values())
-
     def idle_pages(self) -> list[int]:
         """Idle pages, least recently used first."""
-        return list(self._idle.keys())
+        return list(self._idle)
+
+    def snapshot_slots(self) -> list[int]:
+        """Every snapshot slot held by an entry."""
+        return [self._snap[p] for p in (*self._idle_snaps, *self._busy_snaps)]
 
     def check(self) -> None:
-        assert len(self._by_key) == len(self._by_page)
-        for k, e in self._by_key.items():
-            assert e.key == k and self._by_page[e.page] is e
-            assert (e.page in self._idle) == e.idle
-            if e.snapshot is None:
-                assert k not in self._idle_snaps and k not in self._busy_snaps
+        assert sum(k is not None for k in self._key) == len(self._by_key)
+        for key, page in self._by_key.items():
+            assert self._key[page] == key
+            idle = page in self._idle
+            if self._snap[page] < 0:
+                assert page not in self._idle_snaps and page not in self._busy_snaps
             else:
-                assert (k in self._idle_snaps) == e.idle and (k in self._busy_snaps) != e.idle
-        assert len(self._idle_snaps) + len(self._busy_snaps) == sum(
-            e.snapshot is not None for e in self._by_key.values())
+                assert (page in self._idle_snaps) == idle and (page in self._busy_snaps) != idle
+        for p in range(self.num_pages):
+            if self._key[p] is None:
+                assert self._snap[p] < 0 and p not in self._idle
+        assert len(self._idle_snaps) + len(self._busy_snaps) == sum(s >= 0 for s in self._snap)
