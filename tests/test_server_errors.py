@@ -236,7 +236,7 @@ def test_wrong_routes_and_methods(server):
 
 def test_overload_rejects_with_retry_after(server):
     long = dict(C, prompt=[1, 2, 3], max_tokens=MAX_LEN - 10, ignore_eos=True, stream=True)
-    streams = []
+    streams, iters = [], []
     try:
         clients = []
         for _ in range(2):  # fill --max-pending 2
@@ -246,7 +246,9 @@ def test_overload_rejects_with_retry_after(server):
             r = s.__enter__()
             streams.append(s)
             assert r.status_code == 200
-            next(r.iter_lines())  # started
+            lines = r.iter_lines()  # keep it referenced: a collected iterator closes the response
+            iters.append(lines)
+            next(lines)  # started
         r = _post(server, "/v1/completions", C)
         _check_error(r, 503, code="overloaded")
         assert int(r.headers["retry-after"]) >= 1
