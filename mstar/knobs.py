@@ -82,6 +82,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MSTAR_KERNEL_CACHE", "str", "",
          "Root of the on-disk compile caches (CuTe AOT objects, Triton, Inductor, FlashInfer). "
          "Empty: ./kernel_cache in the working directory."),
+    Knob("MSTAR_KERNEL_CACHE_DISABLE", "bool", False,
+         "Bypass the on-disk compile caches: CuTe kernels are compiled in each process (needs the DSL) "
+         "and never read from or written to disk, and Triton, Inductor and FlashInfer keep their own "
+         "default cache locations."),
     Knob("MSTAR_CUTE_RUNTIME_LIB", "str", "",
          "Path to libcute_dsl_runtime.so for loading CuTe kernels compiled ahead of time."),
     # --- runtime ---------------------------------------------------------------------------

@@ -119,6 +119,7 @@ def test_prefix_hit_matches_miss(kind, page_size):
     base = [rng.randrange(320) for _ in range(100)]
     ps = [base[:70] + [rng.randrange(320) for _ in range(k)] for k in (1, 9, 30)]
     ps += [base[:37] + [rng.randrange(320) for _ in range(5)], base[:70]]
+    ps += [base[:3 * page_size + 1]]  # all but the last token cached: it runs as a decode row
     core = engine(kind, page_size=page_size, max_num_batched_tokens=40, max_num_seqs=8)
     first = run_all(core, [EngineRequest("first", base, GREEDY)])
     assert first["first"][0] == hf_greedy(kind, base)
@@ -144,20 +145,22 @@ def test_prefix_hit_reported_in_outputs(kind):
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == ((len(p) - 1) // 16) * 16 > 0
 
 
-def test_abort_storm():
-    """300 requests, random aborts at random moments while the others run; survivors are
-    correct and nothing leaks."""
+@pytest.mark.parametrize("mode, num_pages, total", [("recompute", 300, 300), ("offload", 70, 150)])
+def test_abort_storm(mode, num_pages, total):
+    """Hundreds of requests, random aborts at random moments while the others run (and, with
+    a small pool, are preempted); survivors are correct and nothing leaks."""
     kind = "qwen3.5"
     rng = random.Random(0)
-    core = engine(kind, page_size=4, max_num_batched_tokens=64, max_num_seqs=24, num_pages=300)
+    core = engine(kind, page_size=4, max_num_batched_tokens=64, max_num_seqs=24, num_pages=num_pages,
+                  preemption_mode=mode)
     start = core.cm.stats()
-    ps = prompts(300, 1, 30, seed=99)
-    survivors = set(rng.sample(range(300), 12))
+    ps = prompts(total, 1, 30, seed=99)
+    survivors = set(rng.sample(range(total), 12))
     params = {}
-    for i, p in enumerate(ps):
+    for i in range(total):
         params[i] = GREEDY if i in survivors else SamplingParams(
             max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 1.0]), seed=i, ignore_eos=True)
-    pending = list(range(300))
+    pending = list(range(total))
     live: set[int] = set()
     toks: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
@@ -184,10 +187,12 @@ def test_abort_storm():
                 live.discard(int(o.request_id))
         steps += 1
         assert steps < 5000
-    assert len(finished) == 300
+    assert len(finished) == total
     for a in aborted_ids:
         assert finished[a] in ("abort", "length", "stop")
-    assert sum(1 for v in finished.values() if v == "abort") > 100
+    assert sum(1 for v in finished.values() if v == "abort") > total // 3
+    if mode == "offload":
+        assert core.scheduler.num_preemptions > 0
     for i in survivors:
         assert toks[str(i)] == hf_greedy(kind, ps[i]), f"survivor {i}"
     assert core.cm.stats().total_pages == start.total_pages
@@ -244,3 +249,14 @@ def test_eos_stops_unless_ignored():
                                      eos_token_ids=(ref[3],))])
     assert r["f"] == (ref, "length")
     assert EOS in core.eos_token_ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_prefix_caching(kind):
+    core = engine(kind, page_size=16, enable_prefix_caching=False, max_num_batched_tokens=32)
+    ps = [POOL[4], POOL[4], POOL[4] + POOL[5]]
+    got = run_all(core, _greedy_reqs(ps))
+    for i, p in enumerate(ps):
+        assert got[str(i)][0] == hf_greedy(kind, p)
+    assert core.cm.stats().prefix_hit_tokens == 0 and core.cm.stats().cached_pages == 0
+    assert_no_leaks(core)

@@ -77,7 +77,7 @@ def test_stop_string_not_emitted_early():
     # "Hello S": the last 3 characters may start "STOP"
     assert o1[0].text + o2[0].text_delta == o2[0].text
     assert "S" not in o2[0].text
-    o3, a = proc.process([CoreOutput("r", ids("TO"))])
+    proc.process([CoreOutput("r", ids("TO"))])
     o4, a = proc.process([CoreOutput("r", ids("P"))])
     assert a == ["r"] and o4[0].text == "Hello "
 
@@ -85,7 +85,7 @@ def test_stop_string_not_emitted_early():
 def test_stop_string_inside_one_token_and_earliest_wins():
     proc = OutputProcessor(TOK)
     proc.add_request("r", [1], SamplingParams(max_tokens=10, stop=["OP", "ld!"]))
-    outs, aborts = feed(proc, "r", ids("Hello", " wor", "ld", "!", "ST", "OP"))
+    outs, _ = feed(proc, "r", ids("Hello", " wor", "ld", "!", "ST", "OP"))
     assert outs[-1].text == "Hello wor" and outs[-1].stop_reason == "ld!"
 
 

@@ -17,7 +17,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_harness import ServerProc
 
 MODEL = "tiny-qwen3.5"
@@ -67,7 +66,7 @@ def test_completion_stream_equals_nonstream(client):
     full = client.completions.create(**kw)
     c = full.choices[0]
     assert c.finish_reason in ("length", "stop")
-    assert full.usage.prompt_tokens == len("The capital of France is".encode())  # byte tokenizer
+    assert full.usage.prompt_tokens == len(b"The capital of France is")  # byte tokenizer
     assert full.usage.completion_tokens >= 1
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -229,7 +228,7 @@ def test_ignore_eos_min_tokens_stop_token_ids(server):
 
 
 def test_seeded_sampling_is_reproducible(server):
-    body = {"model": MODEL, "prompt": "Random:", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+    body = {"model": MODEL, "prompt": "Random:", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
             "min_p": 0.01, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
             "seed": 1234, "return_token_ids": True, "ignore_eos": True}
     a = server.post("/v1/completions", body).json()["choices"][0]["token_ids"]
@@ -310,33 +309,54 @@ def test_openai_client_stream_closed_early(server, client):
 
 
 # ---------------------------------------------------------------------------------------
+# small extras
+
+def test_echo_tokenize_detokenize(server, llm):
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Echo me", "max_tokens": 3, "temperature": 0,
+                                        "echo": True}).json()
+    assert r["choices"][0]["text"].startswith("Echo me")
+    t = server.post("/tokenize", {"model": MODEL, "prompt": "héllo"}).json()
+    assert t["tokens"] == llm.tokenizer.encode("héllo") and t["count"] == len(t["tokens"]) and t["max_model_len"] > 0
+    msgs = [{"role": "user", "content": "hi"}]
+    t = server.post("/tokenize", {"messages": msgs}).json()
+    want = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert server.post("/detokenize", {"tokens": t["tokens"]}).json()["prompt"] == want
+    r = server.post("/detokenize", {"tokens": [1, "x"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+# ---------------------------------------------------------------------------------------
 # graceful shutdown
 
-def test_sigterm_drains_in_flight_and_exits_0():
-    s = ServerProc("--max-num-seqs", "8")
-    try:
-        out = {}
+def test_sigterm_drains_in_flight_and_exits_0(server):
+    """Last in this file: it stops the module's server."""
+    s = server
+    out = {"lines": []}
+    started = threading.Event()
 
-        def stream():
-            with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
-                              json={"model": MODEL, "prompt": "drain", "max_tokens": 120, "temperature": 0,
-                                    "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
-                lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
-            out["lines"] = lines
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": "drain", "max_tokens": 150, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data:"):
+                    out["lines"].append(ln)
+                    started.set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        time.sleep(1.0)  # the request is in flight
-        s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.HTTPError):  # no longer accepting
-            httpx.get(s.url + "/health", timeout=5)
-        t.join(120)
-        assert s.proc.wait(60) == 0, s.log_text()
-        lines = out["lines"]
-        assert lines[-1] == "data: [DONE]"
-        chunks = [json.loads(ln[5:]) for ln in lines[:-1]]
-        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 120
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    finally:
-        s.close()
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)  # the request is in flight
+    s.proc.send_signal(signal.SIGTERM)
+    n_at_signal = len(out["lines"])
+    time.sleep(0.5)
+    with pytest.raises(httpx.HTTPError):  # no longer accepting connections
+        httpx.get(s.url + "/health", timeout=5)
+    t.join(120)
+    assert s.proc.wait(60) == 0, s.log_text()
+    lines = out["lines"]
+    assert n_at_signal < len(lines)  # it kept streaming after the signal
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[5:]) for ln in lines[:-1]]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 150
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "shut down cleanly" in s.log_text()

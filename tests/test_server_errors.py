@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import ServerProc
 
 MODEL = "tiny-qwen3.5"
@@ -29,7 +28,8 @@ MAX_BODY = 20000
 @pytest.fixture(scope="module")
 def server():
     s = ServerProc("--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--max-model-len", str(MAX_LEN),
-                   "--max-pending", "2", "--overload-policy", "reject", "--max-num-seqs", "4")
+                   "--max-pending", "2", "--overload-policy", "reject", "--max-num-seqs", "4",
+                   "--chat-template", "X{% for m in messages %}{{ m['content'] }}{% endfor %}")
     yield s
     s.close()
 
@@ -81,6 +81,7 @@ BAD_FIELDS = [
     ("c", {"stop": [""]}, "stop"),
     ("c", {"stop_token_ids": ["a"]}, "stop_token_ids"),
     ("c", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("c", {"stop_token_ids": [100000]}, "stop_token_ids"),
     ("c", {"logprobs": "x"}, "logprobs"),
     ("c", {"logprobs": True}, "logprobs"),
     ("c", {"ignore_eos": "no"}, "ignore_eos"),
@@ -229,6 +230,11 @@ def test_api_key(server):
             model=MODEL, prompt="hi", max_tokens=2)
 
 
+def test_chat_template_flag(server):
+    r = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == list(b"Xhi")  # the byte tokenizer: one id per byte
+
+
 def test_wrong_routes_and_methods(server):
     _check_error(httpx.get(server.url + "/v1/completions", headers=AUTH, timeout=10), 405)
     _check_error(httpx.post(server.url + "/v1/nothing", headers=AUTH, timeout=10), 404)
@@ -323,3 +329,22 @@ def test_wait_policy_then_engine_death():
         assert s.terminate() == 0
     finally:
         s.close()
+
+
+def test_cli_help_explains_every_flag(capsys):
+    from mstar import cli
+    from mstar.runtime import serve
+    p = serve.build_parser()
+    for a in p._actions:
+        assert a.help and len(a.help) > 10, a.dest
+    text = p.format_help()
+    for flag in ("--model", "--random-weights", "--host", "--port", "--api-key", "--dtype", "--device", "--tp",
+                 "--max-num-seqs", "--max-model-len", "--page-size", "--num-pages", "--max-num-batched-tokens",
+                 "--no-prefix-caching", "--max-pending", "--overload-policy", "--max-body-bytes",
+                 "--served-model-name"):
+        assert flag in text, flag
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+    assert "usage: mstar serve" in capsys.readouterr().out
+    assert cli.main(["nonsense"]) == 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import itertools
 import json
 import math
 import os
@@ -300,7 +301,7 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
         n_new = out.shape[1] - ids.shape[1]
         ts = timer.times
         ttft = (ts[0] - t0) if ts else wall
-        itls = [b - a for a, b in zip(ts, ts[1:])]
+        itls = [b - a for a, b in itertools.pairwise(ts)]
         return wall, [RequestResult(True, n_new, ttft, list(itls)) for _ in batch]
 
     if device.type == "cuda":
@@ -341,10 +342,10 @@ def _local_gpu() -> str:
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
-                             timeout=10)
+                             timeout=10, check=False)
         commit = out.stdout.strip() or "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return "unknown"

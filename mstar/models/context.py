@@ -21,6 +21,14 @@ Recurrent state (per Gated DeltaNet layer): conv state pool [num_slots, conv_dim
 (the last K-1 inputs, oldest first) and recurrent state pool [num_slots, Hv, Dk, Dv]
 (fp32). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
 slots (for the prefix cache) come from the same pools.
+
+Cross-attention K/V (encoder-decoder models, Whisper): per cross-attention layer, pools
+cross_k_cache, cross_v_cache of shape [num_cross_slots, max_source_len, num_kv_heads,
+head_dim]. Each running request owns one cross slot, filled once by `model.encode(...,
+cross_slots=...)` when the request is admitted and read (never written) by every decoder
+step; the runtime frees it with the request. A slot is laid out exactly like one KV page
+of page_size = max_source_len, so decoder steps attend over it with the paged decode op
+(one "row" per token: `CrossAttentionMetadata`).
 """
 
 from __future__ import annotations
@@ -46,12 +54,29 @@ class StateLayerSpec:
 
 
 @dataclass(frozen=True)
+class CrossAttentionSpec:
+    """Encoder-decoder models: per request, the encoder output's K/V for every
+    cross-attention layer (in decoder order), up to max_source_len positions."""
+
+    layers: tuple[AttentionLayerSpec, ...]
+    max_source_len: int  # Whisper: 1500 encoder positions (30 s of audio)
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        es = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * self.max_source_len * a.num_kv_heads * a.head_dim * es for a in self.layers)
+
+
+@dataclass(frozen=True)
 class CacheSpec:
     """What one sequence needs, per layer kind, in the order the model's layers use them."""
 
     attention: tuple[AttentionLayerSpec, ...] = ()
     state: tuple[StateLayerSpec, ...] = ()
     state_dtype: torch.dtype = torch.float32  # recurrent state dtype
+    cross: CrossAttentionSpec | None = None  # encoder-decoder models: one cross slot per request
+
+    def cross_bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return self.cross.bytes_per_sequence(dtype) if self.cross is not None else 0
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         es = torch.empty((), dtype=dtype).element_size()
@@ -72,6 +97,9 @@ class ModelCaches:
     v_caches: list[torch.Tensor] = field(default_factory=list)
     conv_states: list[torch.Tensor] = field(default_factory=list)  # per GDN layer
     recurrent_states: list[torch.Tensor] = field(default_factory=list)
+    # per cross-attention layer: [num_cross_slots, max_source_len, Hkv, D] (CacheSpec.cross)
+    cross_k_caches: list[torch.Tensor] = field(default_factory=list)
+    cross_v_caches: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +135,33 @@ class StateMetadata:
 
 
 @dataclass
+class CrossAttentionMetadata:
+    """Shared by every cross-attention layer of a step: one entry per token of the step
+    (decode and prefill alike, in token order). Token t attends over the first
+    kv_last_page_len[t] positions of cross slot kv_indices[t] (its request's slot; every
+    position, no causal mask), read as a one-page sequence by `paged_attention_decode`.
+    int32; kv_indptr is arange(T + 1) and, like kv_last_page_len, may live on the host."""
+
+    kv_indptr: torch.Tensor  # [T + 1] int32
+    kv_indices: torch.Tensor  # [T] int32: cross slot of each token's request
+    kv_last_page_len: torch.Tensor  # [T] int32: source length of each token's request
+
+    @classmethod
+    def for_rows(cls, slots, source_lens, tokens_per_row, device=None,
+                 host_indptr: bool = False) -> "CrossAttentionMetadata":
+        """From per-row lists (rows in the step's order: decode rows first, then prefill)."""
+        slots_t = torch.as_tensor(list(slots), dtype=torch.int32)
+        lens_t = torch.as_tensor(list(source_lens), dtype=torch.int32)
+        reps = torch.as_tensor(list(tokens_per_row), dtype=torch.int64)
+        idx = torch.repeat_interleave(slots_t, reps)
+        last = torch.repeat_interleave(lens_t, reps)
+        indptr = torch.arange(idx.shape[0] + 1, dtype=torch.int32)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        small_dev = torch.device("cpu") if host_indptr else dev
+        return cls(kv_indptr=indptr.to(small_dev), kv_indices=idx.to(dev), kv_last_page_len=last.to(small_dev))
+
+
+@dataclass
 class ForwardContext:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64: position of each token in its sequence
@@ -116,6 +171,7 @@ class ForwardContext:
     # Rows of the hidden states to compute logits for (the last token of each row that
     # samples this step); the runtime passes them to model.compute_logits.
     logits_indices: torch.Tensor | None = None
+    cross: CrossAttentionMetadata | None = None  # None unless the model has cross-attention
 
     @property
     def num_tokens(self) -> int:

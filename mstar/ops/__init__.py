@@ -14,6 +14,13 @@ from mstar.ops.attention import *  # noqa: F401,F403
 from mstar.ops.conv1d import *  # noqa: F401,F403
 from mstar.ops.gdn import *  # noqa: F401,F403
 from mstar.ops.sampling import *  # noqa: F401,F403
+from mstar.ops.dense_attention import *  # noqa: F401,F403
+from mstar.ops.layer_norm import *  # noqa: F401,F403
+
+# Toolchain caches (Triton, Inductor, FlashInfer) under the kernel-cache root, before any backend imports them.
+from mstar.ops.cache import toolchains as _toolchains  # noqa: E402
+
+_toolchains.configure()
 
 # Faster backends register themselves where they can run (CUDA + their package); no-op on CPU.
 from mstar.ops import backends as _backends  # noqa: E402

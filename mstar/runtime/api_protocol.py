@@ -39,6 +39,7 @@ class APIError(Exception):
         self.code = code
         self.type = type or _default_type(status)
         self.headers = headers or {}
+        self.counted = False  # already recorded in the server's metrics
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

@@ -13,20 +13,22 @@ dropped connection. If the engine process dies, in-flight requests get a 503 err
 error event on a stream), new ones a 503, and /health says so.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), GET /version.
+GET /metrics (Prometheus), GET /version, POST /tokenize and /detokenize (vLLM's shapes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,9 +57,9 @@ class ServerSettings:
 # per-sequence and per-request state
 
 class _Seq:
-    __slots__ = ("rid", "index", "job", "prompt_len", "arrival", "first_t", "last_t", "n_out", "finished")
+    __slots__ = ("arrival", "finished", "first_t", "index", "job", "last_t", "n_out", "prompt_len", "rid")
 
-    def __init__(self, rid: str, index: int, job: "_Job", prompt_len: int, arrival: float):
+    def __init__(self, rid: str, index: int, job: _Job, prompt_len: int, arrival: float):
         self.rid, self.index, self.job, self.prompt_len, self.arrival = rid, index, job, prompt_len, arrival
         self.first_t = self.last_t = None
         self.n_out = 0
@@ -67,7 +69,7 @@ class _Seq:
 class _Job:
     """The sequences of one HTTP request; their updates arrive on one queue in order."""
 
-    def __init__(self, server: "Server", endpoint: str, n_seqs: int):
+    def __init__(self, server: Server, endpoint: str, n_seqs: int):
         self.server = server
         self.endpoint = endpoint
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -87,6 +89,32 @@ class _Job:
                 self.remaining -= 1
             yield idx, item
 
+    async def merged(self, states: list) -> AsyncIterator[tuple[int, str, list, list, bool]]:
+        """For streaming: (index, text delta, new token ids, new logprobs, finished) per choice,
+        folding together every update already queued (a client or an event loop that falls
+        behind gets fewer, larger chunks instead of a growing backlog)."""
+        while self.remaining > 0:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            acc: dict[int, list] = {}
+            for idx, item in items:
+                if isinstance(item, APIError):
+                    raise item
+                if item.finished:
+                    self.remaining -= 1
+                d, ids, lps = states[idx].update(item)
+                a = acc.get(idx)
+                if a is None:
+                    acc[idx] = [d, ids, lps, item.finished]
+                else:
+                    a[0] += d
+                    a[1] = a[1] + ids
+                    a[2] = a[2] + lps
+                    a[3] = a[3] or item.finished
+            for idx, (d, ids, lps, fin) in acc.items():
+                yield idx, d, ids, lps, fin
+
     def close(self, outcome: str) -> None:
         """Abort what is still running (client gone, error) and release the admission."""
         if self.closed:
@@ -101,12 +129,13 @@ class _Job:
 
 
 class Admission:
-    """At most `limit` sequences admitted at once; beyond it reject (503) or wait (FIFO)."""
+    """At most `limit` sequences admitted at once; beyond it reject (503 + Retry-After) or
+    wait in FIFO order. A request larger than the limit is admitted when nothing else is."""
 
     def __init__(self, limit: int, policy: str, metrics: ServerMetrics, retry_after_s: int):
         self.limit, self.policy, self.metrics, self.retry_after_s = limit, policy, metrics, retry_after_s
         self.pending = 0
-        self._cond: asyncio.Condition | None = None
+        self._queue: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self.broken: APIError | None = None
 
     def _fits(self, k: int) -> bool:
@@ -117,34 +146,62 @@ class Admission:
                              "retry later.", code="overloaded",
                         headers={"Retry-After": str(self.retry_after_s)})
 
+    def _take(self, k: int) -> None:
+        self.pending += k
+        self.metrics.pending.set(self.pending)
+
     async def acquire(self, k: int, request: Request) -> None:
         if self.broken is not None:
             raise self.broken
-        if not self._fits(k):
-            if self.policy == "reject":
-                raise self._overloaded()
-            if self._cond is None:
-                self._cond = asyncio.Condition()
-            async with self._cond:
-                while not self._fits(k):
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), 0.5)
-                    if self.broken is not None:
-                        raise self.broken
-                    if not self._fits(k) and await request.is_disconnected():
-                        raise _ClientGone()
-        self.pending += k
-        self.metrics.pending.set(self.pending)
+        if not self._queue and self._fits(k):
+            self._take(k)
+            return
+        if self.policy == "reject":
+            raise self._overloaded()
+        fut = asyncio.get_running_loop().create_future()
+        entry = (k, fut)
+        self._queue.append(entry)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=0.5)
+                if done:
+                    fut.result()  # admitted (pending already counted), or the engine died
+                    return
+                if await request.is_disconnected():
+                    raise _ClientGone()
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(k)  # admitted just as we gave up
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(entry)
+                self._admit_waiters()
+            raise
 
     def release(self, k: int) -> None:
         self.pending -= k
         self.metrics.pending.set(self.pending)
-        if self._cond is not None:
-            asyncio.get_running_loop().create_task(self._notify())
+        self._admit_waiters()
 
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
+    def _admit_waiters(self) -> None:
+        while self._queue:
+            k, fut = self._queue[0]
+            if fut.done():
+                self._queue.popleft()
+                continue
+            if not self._fits(k):
+                break
+            self._queue.popleft()
+            self._take(k)
+            fut.set_result(None)
+
+    def fail_waiters(self, err: APIError) -> None:
+        self.broken = err
+        while self._queue:
+            _, fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_exception(err)
 
 
 class _ClientGone(Exception):
@@ -222,7 +279,18 @@ class Server:
                                                           param=fld, code="invalid_value")))
         live = [o for o in outputs if o.request_id in self.seqs]
         if live:
-            updates, stopped = self.proc.process(live)
+            try:
+                updates, stopped = self.proc.process(live)
+            except Exception:  # never leave these requests hanging: fail them, free them in the engine
+                logger.exception("detokenization failed; failing %d request(s)", len(live))
+                err = APIError(500, "Internal error while detokenizing the output.", code="internal_error")
+                rids = [o.request_id for o in live]
+                for rid in rids:
+                    seq = self.seqs.get(rid)
+                    if seq is not None:
+                        seq.job.queue.put_nowait((seq.index, err))
+                self.abort_seqs(rids)
+                live, updates, stopped = [], [], []
             if stopped:
                 self.engine.abort(list(stopped))
             m = self.metrics
@@ -263,18 +331,17 @@ class Server:
         logger.error("%s; answering 503 from now on", why)
         self.metrics.engine_alive.set(0)
         err = APIError(503, f"The engine is not available: {why}.", code="engine_dead")
-        self.admission.broken = err
+        self.admission.fail_waiters(err)
         for rid, seq in list(self.seqs.items()):
             seq.finished = True
             seq.job.queue.put_nowait((seq.index, err))
         self.seqs.clear()
-        if self.admission._cond is not None:
-            self.loop.create_task(self.admission._notify())
 
     # -- submitting and aborting ---------------------------------------------------------------
-    def submit(self, job: _Job, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, job: _Job, index: int, prompt_ids: list[int], params: SamplingParams,
+               arrival: float) -> None:
         rid = f"{job.endpoint[:4]}-{uuid.uuid4().hex}"
-        seq = _Seq(rid, index, job, len(prompt_ids), time.monotonic())
+        seq = _Seq(rid, index, job, len(prompt_ids), arrival)
         job.seqs.append(seq)
         self.seqs[rid] = seq
         self.proc.add_request(rid, list(prompt_ids), params)
@@ -414,8 +481,17 @@ async def _until_done_or_gone(request: Request, coro):
 
 
 class _ChoiceState:
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_prompt", "num_cached",
-                 "started", "lp_seen")
+    __slots__ = (
+        "finish_reason",
+        "logprobs",
+        "lp_seen",
+        "num_cached",
+        "num_prompt",
+        "started",
+        "stop_reason",
+        "text",
+        "token_ids",
+    )
 
     def __init__(self):
         self.text = ""
@@ -438,12 +514,8 @@ class _ChoiceState:
         else:
             self.token_ids.extend(new_ids)
         new_lp = []
-        if u.logprobs is not None:
-            lps = list(u.logprobs)
-            if len(lps) == len(self.token_ids) and len(lps) >= self.lp_seen:
-                new_lp = lps[self.lp_seen:]  # cumulative list
-            else:
-                new_lp = lps  # per-update list
+        if u.logprobs is not None:  # cumulative: every token's so far
+            new_lp = list(u.logprobs[self.lp_seen:])
             self.lp_seen += len(new_lp)
             self.logprobs.extend(new_lp)
         self.num_prompt = u.num_prompt_tokens or self.num_prompt
@@ -553,6 +625,15 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                            param=req.max_tokens_field, code="context_length_exceeded")
         return mt
 
+    def check_stop_ids(sampling: dict) -> None:
+        if sampling["stop"]:
+            server.need_tokenizer("stop", "stop strings")
+        V = server.vocab_size
+        for t in sampling["stop_token_ids"]:
+            if V and t >= V:
+                raise P.bad("stop_token_ids", f"Invalid 'stop_token_ids': token id {t} is out of range [0, {V}).",
+                            "invalid_value")
+
     def choice_params(base: SamplingParams, j: int) -> SamplingParams:
         if j == 0:
             return base
@@ -567,10 +648,17 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                         n: int) -> _Job:
         job = _Job(server, endpoint, len(prompts) * n)
         await server.admission.acquire(job.n_admitted, request)
-        server.check_alive()
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                server.submit(job, i * n + j, ids, choice_params(params[i], j))
+        arrival = request.state.arrival
+        try:
+            server.check_alive()
+            for i, ids in enumerate(prompts):
+                for j in range(n):
+                    server.submit(job, i * n + j, ids, choice_params(params[i], j), arrival)
+        except BaseException as e:
+            job.close("error" if not isinstance(e, APIError) or e.status >= 500 else "bad_request")
+            if isinstance(e, APIError):
+                e.counted = True
+            raise
         return job
 
     def usage(states: list[_ChoiceState], n: int) -> dict:
@@ -584,6 +672,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
 
     async def handle(request: Request, endpoint: str, prepare):
         """Common frame: auth, body, parse, admission, run; maps errors to responses and metrics."""
+        request.state.arrival = time.monotonic()  # TTFT and latency are measured from here
         try:
             check_auth(request)
             server.check_alive()
@@ -591,7 +680,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             return await prepare(request, body)
         except APIError as e:
             outcome = ("rejected" if e.code == "overloaded" else "error" if e.status >= 500 else "bad_request")
-            if e.status not in (401,):
+            if e.status != 401 and not e.counted:
                 server.metrics.requests.labels(endpoint, outcome).inc()
             return error_response(e)
         except _ClientGone as e:
@@ -609,8 +698,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             ids = prompt_ids_for(p, req.add_special_tokens, where)
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else None)
-        if req.sampling["stop"]:
-            server.need_tokenizer("stop", "stop strings")
+        check_stop_ids(req.sampling)
         params = []
         for ids in prompts:
             mt = max_tokens_for(len(ids), req, "prompt")
@@ -658,10 +746,9 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                 outcome = "error"
                 offsets = [0] * n_choices
                 try:
-                    async for i, u in job.events():
+                    async for i, delta, new_ids, new_lp, fin in job.merged(states):
                         st = states[i]
-                        delta, new_ids, new_lp = st.update(u)
-                        if not (delta or new_ids or u.finished):
+                        if not (delta or new_ids or fin):
                             continue
                         if req.echo and not st.started:
                             delta = echo_text(i) + delta
@@ -703,6 +790,10 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         except _ClientGone:
             job.close("aborted")
             raise _ClientGone(counted=True) from None
+        except APIError as e:
+            job.close("error" if e.status >= 500 else "bad_request")
+            e.counted = True
+            raise
         except BaseException:
             job.close("error")
             raise
@@ -737,8 +828,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         req = P.parse_chat(body)
         model = check_model(req.model)
         ids = chat_prompt(req)
-        if req.sampling["stop"]:
-            server.need_tokenizer("stop", "stop strings")
+        check_stop_ids(req.sampling)
         mt = max_tokens_for(len(ids), req, "messages")
         params = P.build_params(req.sampling, mt, max_tokens_field=req.max_tokens_field,
                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -783,12 +873,11 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                         if use_usage:
                             chunk["usage"] = None
                         yield _sse(chunk)
-                    async for i, u in job.events():
+                    async for i, delta, new_ids, new_lp, fin in job.merged(states):
                         st = states[i]
-                        delta, new_ids, new_lp = st.update(u)
-                        if not (delta or new_ids or u.finished):
+                        if not (delta or new_ids or fin):
                             continue
-                        c = {"index": i, "delta": {"content": delta} if (delta or not u.finished) else {},
+                        c = {"index": i, "delta": {"content": delta} if (delta or not fin) else {},
                              "logprobs": {"content": lp_content(new_ids, new_lp)} if req.logprobs else None,
                              "finish_reason": st.finish_reason}
                         c = choice_extra(c, st, new_ids)
@@ -822,6 +911,10 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         except _ClientGone:
             job.close("aborted")
             raise _ClientGone(counted=True) from None
+        except APIError as e:
+            job.close("error" if e.status >= 500 else "bad_request")
+            e.counted = True
+            raise
         except BaseException:
             job.close("error")
             raise
@@ -855,6 +948,50 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                  "root": settings.model, "parent": None, "max_model_len": server.max_model_len,
                  "vocab_size": server.vocab_size} for name in settings.served_model_names]
         return JSONResponse({"object": "list", "data": data})
+
+    async def simple(request: Request, fn):
+        """Auth + body + errors for the small endpoints."""
+        try:
+            check_auth(request)
+            return JSONResponse(fn(await read_body(request)))
+        except APIError as e:
+            return error_response(e)
+
+    def tokenize(body: dict) -> dict:
+        check_model(P._str(body, "model"))
+        if "messages" in body:
+            P._check_unknown(body, frozenset({"model", "messages", "add_generation_prompt",
+                                              "continue_final_message", "chat_template_kwargs",
+                                              "add_special_tokens"}))
+            req = P.parse_chat(dict(body))
+            ids = chat_prompt(req)
+        else:
+            P._check_unknown(body, frozenset({"model", "prompt", "add_special_tokens"}))
+            prompt = P._str(body, "prompt")
+            if prompt is None:
+                raise P.bad("prompt", "Missing required parameter: 'prompt' (or 'messages').",
+                            "missing_required_parameter")
+            ids = server.encode(prompt, P._bool(body, "add_special_tokens", True)) if prompt else []
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+
+    def detokenize(body: dict) -> dict:
+        P._check_unknown(body, frozenset({"model", "tokens"}))
+        check_model(P._str(body, "model"))
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise P.bad("tokens", "Invalid 'tokens': expected an array of integer token ids.", "invalid_type")
+        if any(t < 0 or t >= server.vocab_size for t in toks):
+            raise P.bad("tokens", f"Invalid 'tokens': ids must be in [0, {server.vocab_size}).", "invalid_value")
+        server.need_tokenizer("tokens", "detokenization")
+        return {"prompt": server.tokenizer.decode(toks, skip_special_tokens=False)}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await simple(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await simple(request, detokenize)
 
     @app.get("/health")
     async def health():

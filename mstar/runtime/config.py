@@ -47,7 +47,7 @@ class EngineConfig:
         self.validate()
 
     @classmethod
-    def from_kwargs(cls, **kw) -> "EngineConfig":
+    def from_kwargs(cls, **kw) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         for k in kw:
             if k not in names:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import fields
-from typing import Iterable
 
 import torch
 
@@ -33,7 +33,7 @@ from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
 from mstar.runtime.request import CoreOutput, EngineRequest, RequestError, SamplingParams
 from mstar.runtime.sampler import Sampler
-from mstar.runtime.scheduler import PrefillRow, Scheduler, SeqStatus, Sequence
+from mstar.runtime.scheduler import PrefillRow, Scheduler, Sequence
 from mstar.runtime.step_inputs import StepInputBuilder, StepRows
 
 log = logging.getLogger("mstar.runtime")
@@ -284,6 +284,8 @@ class EngineCore:
         for f in fields(cs):
             if f.name.startswith(("prefix_", "snapshot_", "offloaded_", "cached_snapshots")):
                 d[f.name] = getattr(cs, f.name)
+        if self.device.type == "cuda":
+            d["peak_gpu_mem_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
         return d
 
     def cache_stats(self):

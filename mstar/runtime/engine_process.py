@@ -31,7 +31,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("mstar.engine_process")
 
@@ -61,7 +62,7 @@ def _extra_stats() -> dict[str, Any]:
 
 def _engine_info(engine: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"pid": os.getpid()}
-    info["max_model_len"] = int(getattr(engine, "max_model_len"))
+    info["max_model_len"] = int(engine.max_model_len)
     eos = getattr(engine, "eos_token_ids", ()) or ()
     if isinstance(eos, int):
         eos = (eos,)

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.engine_core import EngineCore

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -59,6 +60,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="The name(s) clients must use in the 'model' field; the first is reported in responses. "
                         "Default: the --model value.")
+    m.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="Jinja chat template (a file, or the template text) replacing the tokenizer's own; "
+                        "for checkpoints without one.")
     m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="Weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU.")
     m.add_argument("--device", default="auto",
@@ -135,7 +139,10 @@ def load_tokenizer(model: str):
     """The model's tokenizer, or None (then only token-id prompts are served)."""
     try:
         from mstar.models import load_tokenizer as load
-        return load(model)
+        tok = load(model)
+        if tok is not None and len(tok) < 2:  # transformers can build an empty tokenizer from a bare config
+            raise ValueError("the tokenizer found is empty")
+        return tok
     except Exception as e:  # noqa: BLE001 -- a checkpoint without a tokenizer still serves token ids
         logger.warning("no tokenizer for %s (%s): only token-id prompts will be served, responses carry no text "
                        "(use return_token_ids)", model, e)
@@ -165,10 +172,23 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     except ValueError as e:
         logger.error("bad engine option: %s", e)
         return 2
+    if args.port:  # fail fast, before loading a model, when the port is taken
+        try:
+            with socket.create_server((args.host, args.port), reuse_port=False):
+                pass
+        except OSError as e:
+            logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+            return 1
     engine = EngineProcess(config, factory=args.engine_factory)
     try:
         engine.start()
         tokenizer = load_tokenizer(args.model)
+        if args.chat_template and tokenizer is not None:
+            t = args.chat_template
+            if os.path.isfile(t):
+                with open(t) as f:
+                    t = f.read()
+            tokenizer.chat_template = t
         info = engine.wait_ready(args.startup_timeout)
     except EngineStartError as e:
         logger.error("%s", e)
@@ -196,8 +216,23 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=(args.log_level or "info"),
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.drain_timeout,
                             lifespan="on", timeout_keep_alive=5)
-    server = uvicorn.Server(uconfig)
     stop_early = {"flag": False}
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            host, port = args.host, args.port
+            try:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+            except (AttributeError, IndexError, OSError):
+                pass
+            shown = f"[{host}]" if ":" in str(host) else host
+            logger.info("mstar is serving %s at http://%s:%s (ready in %.1f s)", names[0], shown, port,
+                        time.monotonic() - t0)
+            if stop_early["flag"]:
+                self.should_exit = True
+
+    server = _Server(uconfig)
 
     def late_stop(signum, frame):  # between here and uvicorn's own handlers
         stop_early["flag"] = True
@@ -205,27 +240,10 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     signal.signal(signal.SIGTERM, late_stop)
     signal.signal(signal.SIGINT, late_stop)
 
-    async def run() -> None:
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.02)
-        if server.started:
-            host, port = args.host, args.port
-            try:
-                host, port = server.servers[0].sockets[0].getsockname()[:2]
-            except Exception:
-                pass
-            shown = f"[{host}]" if ":" in str(host) else host
-            logger.info("mstar is serving %s at http://%s:%s (ready in %.1f s)", names[0], shown, port,
-                        time.monotonic() - t0)
-            if stop_early["flag"]:
-                server.should_exit = True
-        await task
-
     code = 0
     try:
-        asyncio.run(run())
-    except SystemExit as e:  # uvicorn exits 1 when it cannot bind
+        asyncio.run(server.serve())
+    except SystemExit as e:  # uvicorn exits (code 3) when it cannot bind; it has logged why
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         code = 0

@@ -20,6 +20,9 @@ _MODULES = {
     "mstar.ops.backends.triton_conv1d": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
+    # CuTe DSL kernels compiled ahead of time: loading needs only tvm-ffi (+ libcute_dsl_runtime.so)
+    "mstar.ops.backends.cute_norm": "tvm_ffi",
+    "mstar.ops.backends.cute_gdn": "tvm_ffi",
 }
 
 _loaded: dict[str, str] = {}  # module -> "ok" or the reason it is absent

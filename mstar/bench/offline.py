@@ -1,0 +1,90 @@
+"""`python -m mstar.bench.offline`: throughput of the offline engine (no HTTP), the BENCH.md
+shape of request: random prompt token ids, a fixed number of output tokens (ignore_eos),
+greedy. `--concurrency c` caps the running batch (max_num_seqs = c) and submits
+N = max(4c, 64) requests at once, which the engine runs as a closed loop of c.
+
+Prints one line per concurrency and appends a JSON record per line to --out (default
+notes/results/offline.jsonl) with the fields of the serving benchmark where they apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+from mstar import LLM, SamplingParams
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def run(args) -> list[dict]:
+    records = []
+    for c in args.concurrency:
+        llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
+                  max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
+                  enable_prefix_caching=not args.no_prefix_caching)
+        vocab = llm.engine.model.config.vocab_size
+        n = args.num_prompts or max(4 * c, 64)
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(0, min(vocab, 100_000), (n, args.input_len), generator=g).tolist()
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[: min(n, c)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        out_tokens = sum(len(o.token_ids) for o in outs)
+        assert all(len(o.token_ids) == args.output_len for o in outs), "fixed-length outputs expected"
+        rec = {"bench": "offline", "model": args.model, "tp": 1, "concurrency": c, "num_prompts": n,
+               "input_len": args.input_len, "output_len": args.output_len,
+               "output_tok_s": out_tokens / dt, "elapsed_s": dt,
+               "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
+        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s)", flush=True)
+        records.append(rec)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return records
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mstar.bench.offline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-qwen3.5", help="preset name or HF model directory")
+    ap.add_argument("--random-weights", action="store_true", help="random weights from the preset's config")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float32")
+    ap.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8], help="running batch caps to measure")
+    ap.add_argument("--num-prompts", type=int, default=0, help="requests per point (default max(4c, 64))")
+    ap.add_argument("--input-len", type=int, default=256, help="prompt length in tokens")
+    ap.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument("--out", default="notes/results/offline.jsonl", help="JSONL file to append records to ('' = none)")
+    run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

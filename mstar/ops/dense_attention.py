@@ -1,0 +1,126 @@
+"""Dense (non-paged) attention over ragged rows: the Whisper encoder's self-attention
+(non-causal, every row 1500 frames) and any attention whose K/V are not in the page pool.
+
+    dense_attention(q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, D],
+                    q_indptr [R+1] int32, kv_indptr [R+1] int32, scale, causal) -> [Tq, Hq, D]
+
+Row i's queries are q[q_indptr[i]:q_indptr[i+1]] and its keys/values k/v[kv_indptr[i]:
+kv_indptr[i+1]]. causal=False: every query sees the whole row. causal=True: as in the
+paged ops, a row's n queries are the last n positions of its kv sequence and query j
+sees kv positions <= kv_len - n + j. GQA: query head h reads kv head h // (Hq // Hkv).
+The indptr arrays may be host tensors while q/k/v are on CUDA (read without a sync).
+
+Reference: plain torch, one batched matmul per row, scores and softmax in float32.
+Backend "sdpa" (CUDA): torch's scaled_dot_product_attention in the input dtype, all rows
+in one call when they have equal lengths (the encoder case), else one call per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mstar.ops.registry import define_op, register_backend
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr: torch.Tensor,
+           kv_indptr: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"dense_attention: want q [Tq, Hq, D], k = v [Tk, Hkv, D]; got q {tuple(q.shape)} "
+                         f"k {tuple(k.shape)} v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"dense_attention: q heads/dim {tuple(q.shape[1:])} do not fit k heads/dim "
+                         f"{tuple(k.shape[1:])} (Hq must be a multiple of Hkv)")
+    if q_indptr.shape != kv_indptr.shape:
+        raise ValueError(f"dense_attention: q_indptr {tuple(q_indptr.shape)} and kv_indptr "
+                         f"{tuple(kv_indptr.shape)} must have one entry per row + 1")
+
+
+def _row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """One row in float32: q [n, Hq, D], k/v [L, Hkv, D] -> [n, Hq, D] float32."""
+    n, hq, d = q.shape
+    L, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    qh = q.float().reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+    kh = k.float().transpose(0, 1)  # [Hkv, L, D]
+    vh = v.float().transpose(0, 1)
+    s = torch.bmm(qh, kh.transpose(1, 2)).mul_(scale)  # [Hkv, g * n, L]
+    if causal:
+        qpos = torch.arange(L - n, L, device=q.device)
+        future = torch.arange(L, device=q.device)[None, :] > qpos[:, None]  # [n, L]
+        s.view(hkv, g, n, L).masked_fill_(future, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.bmm(p, vh)  # [Hkv, g * n, D]
+    return o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+def _dense_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr: torch.Tensor,
+                         kv_indptr: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Attention of ragged query rows over their own ragged K/V rows (causal or not)."""
+    _check(q, k, v, q_indptr, kv_indptr)
+    out = q.new_zeros(q.shape)
+    qo, kvp = q_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(qo) - 1):
+        q0, q1, k0, k1 = qo[i], qo[i + 1], kvp[i], kvp[i + 1]
+        if q1 == q0:
+            continue
+        if k1 - k0 < (q1 - q0 if causal else 1):
+            raise ValueError(f"dense_attention: row {i} has {q1 - q0} queries but {k1 - k0} keys")
+        out[q0:q1] = _row(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal).to(q.dtype)
+    return out
+
+
+def _dense_attention_fake(q, k, v, q_indptr, kv_indptr, scale, causal):
+    return q.new_empty(q.shape)
+
+
+dense_attention = define_op(
+    "dense_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor q_indptr, Tensor kv_indptr, float scale, bool causal) -> Tensor",
+    reference=_dense_attention_ref, fake=_dense_attention_fake)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype."""
+    n, L = q.shape[1], k.shape[1]
+    g = q.shape[2] // k.shape[2]
+    if g > 1:
+        k = k.repeat_interleave(g, dim=2)
+        v = v.repeat_interleave(g, dim=2)
+    mask = None
+    if causal and n > 1:
+        qpos = torch.arange(L - n, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    return o.transpose(1, 2)
+
+
+def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr: torch.Tensor,
+                         kv_indptr: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """The "sdpa" backend (any device; registered for CUDA)."""
+    _check(q, k, v, q_indptr, kv_indptr)
+    qo, kvp = q_indptr.tolist(), kv_indptr.tolist()
+    rows = len(qo) - 1
+    if rows <= 0 or q.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    qlens = {qo[i + 1] - qo[i] for i in range(rows)}
+    kvlens = {kvp[i + 1] - kvp[i] for i in range(rows)}
+    if len(qlens) == 1 and len(kvlens) == 1 and qo[0] == 0 and kvp[0] == 0 \
+            and qo[-1] == q.shape[0] and kvp[-1] == k.shape[0]:
+        n, L = qlens.pop(), kvlens.pop()
+        o = _sdpa(q.view(rows, n, *q.shape[1:]), k.view(rows, L, *k.shape[1:]),
+                  v.view(rows, L, *v.shape[1:]), scale, causal)
+        return o.reshape(q.shape)
+    out = q.new_zeros(q.shape)
+    for i in range(rows):
+        q0, q1, k0, k1 = qo[i], qo[i + 1], kvp[i], kvp[i + 1]
+        if q1 > q0:
+            out[q0:q1] = _sdpa(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal)[0]
+    return out
+
+
+register_backend(dense_attention, "sdpa", dense_attention_sdpa, devices=("cuda",), priority=5,
+                 note="torch scaled_dot_product_attention, input dtype")
+
+__all__ = ["dense_attention"]

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# CuTe kernels on the H200: correctness + CUDA graphs, per-kernel compile vs load time, and the
+# op-bench rows for the norm / GDN decode backends (cute beside triton / fla / reference).
+#
+# Run from the repository root on the GPU host, with kernel_cache/ carried from the build machine
+# (built there by `python -m mstar.ops.cache build --preset qwen3.5-0.8b --preset qwen3.5-4b
+#  --preset qwen3-0.6b --bench`; the GPU host has no DSL, so nothing can be compiled there):
+#
+#   source .gpu/setup.sh && bash notes/tools/gpu_cute_check.sh
+#
+# Output: pytest summary of tests/test_gpu_cute.py; a table per kernel with the compile time
+# recorded at build (CPU machine) and, measured here in a fresh process each, tvm-ffi import,
+# runtime-library load, module load, first call (CUDA module load + launch) and steady call time;
+# then the bench rows. Exit status: pytest's.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+echo "== environment"; python -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, torch.cuda.get_device_name())"
+echo "MSTAR_CUTE_RUNTIME_LIB=${MSTAR_CUTE_RUNTIME_LIB:-unset}"
+python -c "import importlib.util as u; print('cutlass DSL importable here:', u.find_spec('cutlass') is not None)"
+echo "== cache"; python -m mstar.ops.cache ls
+echo "== tests/test_gpu_cute.py"
+python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_cute.py 2>&1 | tail -40
+rc=${PIPESTATUS[0]}
+echo "== per-kernel compile (build host) vs load (here), one fresh process per kernel"
+python - <<'PY'
+import json, subprocess, sys
+from mstar.ops.cache import store
+CHILD = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+torch.cuda.init()
+t1 = time.perf_counter()
+import tvm_ffi
+t2 = time.perf_counter()
+from mstar.ops.cache import cute
+cute._ensure_runtime()
+t3 = time.perf_counter()
+meta = json.loads(sys.argv[1])
+fn = cute._load(__import__("pathlib").Path(meta["dir"]) / "kernel.so", meta["symbol"])
+t4 = time.perf_counter()
+print(json.dumps({"torch_s": t1 - t0, "tvm_ffi_import_s": t2 - t1, "runtime_lib_s": t3 - t2, "module_load_s": t4 - t3,
+                  "dsl_imported": "cutlass" in sys.modules}))
+'''
+rows = []
+for e in store.iter_entries():
+    if isinstance(e, tuple):
+        print("corrupt:", e[0]); continue
+    arg = json.dumps({"dir": str(e.dir), "symbol": e.meta["symbol"]})
+    r = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, text=True)
+    if r.returncode:
+        print(e.meta["kernel"], "FAILED", r.stderr[-800:]); continue
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    p = e.meta["fields"]["params"]
+    shape = " ".join(f"{k}={p[k]}" for k in ("hidden", "dk", "dv", "zero_centered", "mode") if k in p)
+    rows.append((e.meta["kernel"], shape, e.meta["build"].get("compile_s"), e.meta["build"].get("link_s"), m))
+print(f"{'kernel':<20} {'spec':<42} {'compile s':>9} {'link s':>7} {'tvm_ffi import s':>16} {'runtime lib ms':>14} {'load ms':>8} dsl?")
+for k, s, c, l, m in rows:
+    print(f"{k:<20} {s:<42} {c:>9.3f} {l:>7.3f} {m['tvm_ffi_import_s']:>16.3f} {m['runtime_lib_s']*1e3:>14.2f} "
+          f"{m['module_load_s']*1e3:>8.3f} {m['dsl_imported']}")
+PY
+echo "== first call vs steady call (in-process, after load)"
+python - <<'PY'
+import time, torch
+from mstar.ops import registry
+from mstar.ops.cache import cute as aot
+from mstar.ops.backends import cute_norm as cn, cute_gdn as cg
+BF = torch.bfloat16
+cases = [
+  ("fused_add_rms_norm h1024 bs32", "fused_add_rms_norm", lambda: (torch.randn(32, 1024, dtype=BF, device="cuda"), torch.randn(32, 1024, dtype=BF, device="cuda"), torch.randn(1024, dtype=BF, device="cuda"), 1e-6, True)),
+  ("rms_norm h2560 bs128", "rms_norm", lambda: (torch.randn(128, 2560, dtype=BF, device="cuda"), torch.randn(2560, dtype=BF, device="cuda"), 1e-6, True)),
+  ("gated_rms_norm d128 rows2048", "gated_rms_norm", lambda: (torch.randn(2048, 128, dtype=BF, device="cuda"), torch.randn(2048, 128, dtype=BF, device="cuda"), torch.randn(128, dtype=BF, device="cuda"), 1e-6)),
+  ("gdn_decode bs128 h16", "gdn_decode", lambda: (torch.randn(128, 16, 128, dtype=BF, device="cuda"), torch.randn(128, 16, 128, dtype=BF, device="cuda"), torch.randn(128, 16, 128, dtype=BF, device="cuda"), -torch.rand(128, 16, device="cuda"), torch.rand(128, 16, device="cuda").to(BF), torch.randn(128, 16, 128, 128, device="cuda") * 0.1, torch.arange(128, device="cuda"), 128 ** -0.5)),
+]
+for label, op, make in cases:
+    fn = registry.get(op).backends["cute"].fn
+    args = make(); torch.cuda.synchronize()
+    t0 = time.perf_counter(); fn(*args); torch.cuda.synchronize(); first = time.perf_counter() - t0
+    for _ in range(10): fn(*args)
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(200): fn(*args)
+    torch.cuda.synchronize(); steady = (time.perf_counter() - t0) / 200
+    print(f"{label:<32} first call {first*1e3:8.2f} ms (includes file load + CUDA module load)   steady {steady*1e6:7.1f} us/call")
+print("events:", [(e["kernel"], e.get("source"), e.get("load_s"), e.get("error")) for e in aot.EVENTS])
+PY
+echo "== op bench: norm + GDN decode rows (all available backends)"
+python -m pytest -q -p no:cacheprovider bench/test_ops.py -k "rms_norm or gdn_decode" 2>&1 | tail -150
+exit $rc
