@@ -6,11 +6,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import pathlib
-import subprocess
 
 import pytest
 import torch
+
+from mstar.bench.serve import git_commit
 
 ROWS: list[dict] = []
 
@@ -23,26 +23,18 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not ROWS:
         return
     dev = device()
     tr = terminalreporter
     tr.section(f"mstar op benchmarks ({dev})")
-    head = f"{'op':24} {'case':36} {'backend':12} {'median_us':>10} {'GB/s':>9} {'TFLOP/s':>8}"
+    head = f"{'op':24} {'case':36} {'backend':12} {'mode':5} {'median_us':>10} {'GB/s':>9} {'TFLOP/s':>8}"
     if dev == "cuda":
         head += f" {'%bw':>6} {'%flop':>6}"
     tr.write_line(head)
     for r in ROWS:
-        line = (f"{r['op']:24} {r['case']:36} {r['backend']:12} {r['median_us']:10.1f} {r['gb_s']:9.2f} "
+        line = (f"{r['op']:24} {r['case']:36} {r['backend']:12} {r['mode']:5} {r['median_us']:10.1f} {r['gb_s']:9.2f} "
                 f"{r['tflop_s']:8.3f}")
         if dev == "cuda":
             line += f" {100 * r['frac_bw']:6.1f} {100 * r['frac_flops']:6.1f}"
@@ -50,7 +42,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     path = config.getoption("--ops-json") or f".benchmarks/ops-{dev}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-            "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
     tr.write_line(f"rows written to {path}")

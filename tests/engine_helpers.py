@@ -14,10 +14,22 @@ import os
 import random
 import tempfile
 
+import pytest
 import torch
 
 VOCAB = 320  # > 259 ids of the byte tokenizer
 EOS = 258  # <|im_end|> of the byte tokenizer
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two
+    spinning OpenMP threads per process make runs several times slower. Import this
+    fixture into a test module to run its tests with one thread (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _torch_paths_for_hf_qwen3_5() -> None:

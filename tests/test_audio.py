@@ -91,18 +91,21 @@ def test_resample_matches_float64_reference(orig):
     assert np.abs(ours64 - ref).max() < 1e-10
 
 
-@pytest.mark.parametrize("orig", [44100, 48000, 8000])
+@pytest.mark.parametrize("orig", [44100, 48000, 8000, 44101, 7999, 3001])
 def test_resample_reproduces_band_limited_signals(orig):
-    """Tones below both Nyquist rates come out as the same tones sampled at 16 kHz."""
-    tones = [(440.0, 0.5), (1234.5, 0.3), (min(3000.0, 0.45 * orig), 0.2)]
+    """Tones below both Nyquist rates come out as the same tones sampled at 16 kHz (odd
+    rates: at the rational rate actually used, within 1.3e-4 of the requested one)."""
+    tones = [(440.0, 0.5), (0.37 * min(orig, 16000), 0.3), (min(3000.0, 0.4 * orig), 0.2)]
 
     def sig(sr, n):
         t = np.arange(n) / sr
         return sum(a * np.sin(2 * np.pi * f * t + f) for f, a in tones)
 
+    up, down = audio.resample_ratio(orig, 16000)
+    assert abs(up / down * orig / 16000 - 1) < 1.3e-4 and max(up, down) <= audio.MAX_PHASES
     x = sig(orig, orig * 2).astype(np.float32)
     y = resample(torch.from_numpy(x), orig, 16000).numpy()
-    want = sig(16000, len(y))
+    want = sig(orig * up / down, len(y))
     inner = slice(400, len(y) - 400)  # away from the zero-padded edges
     assert np.abs(y[inner] - want[inner]).max() < 1e-3
 
@@ -194,6 +197,7 @@ def test_errors_map_to_400():
     e = _raises(AudioTooLongError, _encode(_noise(16000 * 3, 4), 16000, "WAV"), max_seconds=2.0)
     assert "3.0 s" in str(e) and "2 s" in str(e)
     decode_audio(good, max_seconds=None)  # no limit
+    _raises(UnsupportedAudioError, _encode(_noise(1000, 5), 1000, "WAV"))  # 1 kHz: below the accepted rates
     with pytest.raises(AudioError):
         audio_features(b"", n_mels=80)
     with pytest.raises(AudioError):

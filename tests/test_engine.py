@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import POOL_SEED, assert_no_leaks, engine, hf_greedy, llm, prompts, run_all
+from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.request import EngineRequest, RequestError, SamplingParams
 

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine_helpers import EOS, assert_no_leaks, engine, hf_greedy, llm, prompts, run_all
+from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.runtime.request import EngineRequest, SamplingParams
 
 KINDS = ["qwen3.5", "qwen3"]

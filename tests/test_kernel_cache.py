@@ -251,3 +251,54 @@ def test_importing_ops_does_not_import_heavy_packages():
                          env={k: v for k, v in os.environ.items() if not k.startswith("MSTAR_")})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+# --- the backends' call glue against the compiled signature (CPU tensors, recorded calls) ----------------
+_TORCH_OF = {"BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32,
+             "Int64": torch.int64, "Int32": torch.int32}
+
+
+def _check_call_matches_signature(builder, params, call_args):
+    """Every tensor the backend passes has the dtype, rank, static dims and compact strides of the
+    fake tensor it was compiled for, symbolic dims are bound consistently, and scalars are numbers."""
+    from cutlass.cute.typing import SymInt
+
+    _, fake = builder(dict(params))
+    fake = [a for a in fake if type(a).__name__ != "_FakeStream"]  # the stream comes from tvm-ffi's env
+    assert len(call_args) == len(fake)
+    bound = {}
+    for got, want in zip(call_args, fake):
+        if not hasattr(want, "shape"):
+            assert isinstance(got, (int, float)) and not isinstance(got, bool)
+            continue
+        assert isinstance(got, torch.Tensor) and got.is_contiguous()
+        assert got.dtype == _TORCH_OF[getattr(want.element_type, "__name__", str(want.element_type))]
+        assert got.dim() == len(want.shape)
+        for n, w in zip(got.shape, want.shape):
+            if isinstance(w, SymInt):
+                assert bound.setdefault(id(w), n) == n, "a symbolic dim bound to two sizes"
+            else:
+                assert n == w
+
+
+@needs_dsl
+def test_backend_calls_match_compiled_signatures(monkeypatch):
+    from mstar.ops.backends import cute_gdn, cute_norm
+
+    calls = []
+    monkeypatch.setattr(cute, "arch_of_device", lambda device=None: ARCH)
+    for k in (cute_norm.K_RMS, cute_norm.K_ADD, cute_norm.K_GATED, cute_gdn.K_DECODE):
+        monkeypatch.setattr(k, "get", lambda params, arch, k=k: (lambda *a: calls.append((k, params, a))))
+    bf = torch.bfloat16
+    x, r = torch.randn(5, 3, 256, dtype=bf), torch.randn(5, 3, 256, dtype=bf)
+    cute_norm.rms_norm(x, torch.randn(256, dtype=bf), 1e-6, True)
+    y, s = cute_norm.fused_add_rms_norm(x[:, 0], r[:, 0], torch.randn(256, dtype=bf), 1e-6, False)
+    assert y.shape == s.shape == (5, 256)
+    cute_norm.gated_rms_norm(x, r, torch.randn(256, dtype=torch.float32), 1e-6)
+    q = torch.randn(4, 16, 128, dtype=bf)
+    o = cute_gdn.gdn_decode(q, q.clone(), torch.randn(4, 16, 64, dtype=bf), -torch.rand(4, 16), torch.rand(4, 16).to(bf),
+                            torch.zeros(9, 16, 128, 64), torch.tensor([3, 0, 8, 5]), 128 ** -0.5)
+    assert o.shape == (4, 16, 64) and o.dtype == bf
+    assert [c[0].name for c in calls] == ["rms_norm", "fused_add_rms_norm", "gated_rms_norm", "gdn_decode"]
+    for k, params, args in calls:
+        _check_call_matches_signature(k.builder, params, args)

@@ -107,7 +107,7 @@ class WhisperHarness(Harness):
         perm = torch.randperm(n, generator=gen).tolist()
         self.cross_slots = {s: perm[s] for s in range(max_seqs)}
         self.source_len = cross.max_source_len
-        shape = lambda a: (n, cross.max_source_len, a.num_kv_heads, a.head_dim)  # noqa: E731
+        shape = lambda a: (n, cross.max_source_len, a.num_kv_heads, a.head_dim)
         self.caches.cross_k_caches = [torch.randn(shape(a), generator=gen) for a in cross.layers]
         self.caches.cross_v_caches = [torch.randn(shape(a), generator=gen) for a in cross.layers]
         model.bind_caches(self.caches)
@@ -280,7 +280,7 @@ def test_tokens_layout_and_prompts():
     assert v3.decoder_prompt("en", timestamps=True) == [50258, 50259, 50360]
     long_prev = list(range(1, 400))
     p = v3.decoder_prompt("en", prev_ids=long_prev)
-    assert p[0] == v3.startofprev and len(p) == 223 + 4 and p[1:223] == long_prev[-222:]
+    assert p[0] == v3.startofprev and len(p) == 1 + 223 + 4 and p[1:224] == long_prev[-223:]
     for bad in ("klingon", "", 3):
         with pytest.raises(WhisperPromptError):
             v3.decoder_prompt(bad)

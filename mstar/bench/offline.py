@@ -13,19 +13,12 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import time
 
 import torch
 
 from mstar import LLM, SamplingParams
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
+from mstar.bench.serve import git_commit
 
 
 def run(args) -> list[dict]:
@@ -55,7 +48,7 @@ def run(args) -> list[dict]:
                "output_tok_s": out_tokens / dt, "elapsed_s": dt,
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
         print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s)", flush=True)
         records.append(rec)

@@ -340,6 +340,10 @@ def _local_gpu() -> str:
 
 
 def git_commit() -> str:
+    """The commit measured: $GIT_COMMIT where the tree travels without .git (the GPU host),
+    else `git rev-parse` (+ "-dirty" with uncommitted changes)."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
                              timeout=10, check=False)

@@ -30,6 +30,7 @@ import io
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ HOP_LENGTH = 160
 CHUNK_SECONDS = 30
 N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 2000, 768000  # files outside are refused
 DEFAULT_MAX_SECONDS = 1800.0  # 30 minutes (60 windows); the server may pass its own limit
 
 
@@ -111,8 +113,9 @@ def decode_audio(data, *, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> tu
     try:
         with sf.SoundFile(io.BytesIO(b)) as f:
             sr, frames, channels = int(f.samplerate), int(f.frames), int(f.channels)
-            if sr <= 0:
-                raise CorruptAudioError(f"the audio file has an invalid sample rate {sr}")
+            if not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
+                raise UnsupportedAudioError(f"unsupported sample rate {sr} Hz (accepted: {MIN_SAMPLE_RATE} to "
+                                            f"{MAX_SAMPLE_RATE} Hz)")
             if max_seconds is not None and frames > 0 and frames / sr > max_seconds:
                 raise AudioTooLongError(f"audio is {frames / sr:.1f} s long; the limit is {max_seconds:g} s")
             x = f.read(dtype="float32", always_2d=True)
@@ -191,11 +194,26 @@ class ResampleParams:
 DEFAULT_RESAMPLE = ResampleParams()
 
 
+MAX_PHASES = 2000  # bound on up and down (filter bank size up x (down + taps))
+
+
+def resample_ratio(orig: int, new: int) -> tuple[int, int]:
+    """(up, down) with new / orig = up / down exactly when both fit in MAX_PHASES (every
+    common rate: 44100 -> 16000 is 160 / 441), else the nearest fraction that fits: an odd
+    rate plays back slightly fast or slow (44101 Hz: by 1e-6; 7999 Hz: by 1.3e-4, 0.2 s
+    over 30 minutes), which does not matter for recognition."""
+    g = math.gcd(orig, new)
+    up, down = new // g, orig // g
+    if up <= MAX_PHASES and down <= MAX_PHASES:
+        return up, down
+    f = Fraction(new, orig).limit_denominator(max(1, min(MAX_PHASES, MAX_PHASES * orig // new)))
+    return f.numerator, f.denominator
+
+
 @functools.lru_cache(maxsize=16)
 def _polyphase_kernel(orig: int, new: int, params: ResampleParams) -> tuple[torch.Tensor, int, int, int]:
     """float64 kernel [up, 1, K] (one row per output phase), left padding, up, down."""
-    g = math.gcd(orig, new)
-    up, down = new // g, orig // g
+    up, down = resample_ratio(orig, new)
     cutoff = params.rolloff * min(1.0, up / down)
     half = math.ceil(params.zero_crossings / cutoff)  # support |t| <= half input samples
     k = torch.arange(-half, down + half + 1, dtype=torch.float64)  # input offsets relative to the block start

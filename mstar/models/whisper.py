@@ -13,8 +13,9 @@ Decoder (every step, batched like an LLM step; the ForwardContext contract of co
     (`ops.paged_attention_decode`, one row per token: every token sees the whole source),
     GELU MLP -> final LayerNorm -> logits = hidden @ embed_tokens^T (tied `proj_out`).
 
-Attention scaling follows transformers: q = q_proj(x) * head_dim^-0.5, then attention with
-scale 1. Whisper's k_proj has no bias: we fuse q/k/v (and cross k/v) into one matmul whose
+Attention scale head_dim^-0.5 is passed to the attention ops (transformers multiplies q
+by it before a scale-1 attention: the same numbers, bit for bit, for Whisper's power-of-two
+head_dim 64, and one elementwise op less per layer). Whisper's k_proj has no bias: we fuse q/k/v (and cross k/v) into one matmul whose
 k rows of the bias are kept at zero (no checkpoint tensor fills them).
 
 The runtime-facing API is DecoderLM's (base.py) plus:
@@ -97,9 +98,9 @@ class _FFN:
         return self.fc2(ops.gelu(self.fc1(x), self.gelu_approx))
 
 
-def _split_qkv(qkv: torch.Tensor, heads: int, head_dim: int, scale: float):
+def _split_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
     t, d = qkv.shape[0], heads * head_dim
-    q = (qkv[:, :d] * scale).view(t, heads, head_dim)
+    q = qkv[:, :d].contiguous().view(t, heads, head_dim)
     k = qkv[:, d:2 * d].contiguous().view(t, heads, head_dim)
     v = qkv[:, 2 * d:].contiguous().view(t, heads, head_dim)
     return q, k, v
@@ -116,8 +117,8 @@ class EncoderAttention(nn.Module):
         self.out_proj = Linear(d, d, bias=True)
 
     def forward(self, x: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
-        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim, self.scale)
-        o = ops.dense_attention(q, k, v, indptr, indptr, 1.0, False)
+        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim)
+        o = ops.dense_attention(q, k, v, indptr, indptr, self.scale, False)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
 
@@ -192,8 +193,8 @@ class DecoderSelfAttention(nn.Module):
         return AttentionLayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
     def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim, self.scale)
-        o = paged_attention(ctx, q, k, v, self.k_cache, self.v_cache, 1.0)
+        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim)
+        o = paged_attention(ctx, q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
 
@@ -231,9 +232,9 @@ class CrossAttention(nn.Module):
     def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
         md = ctx.cross
         t = x.shape[0]
-        q = (self.q_proj(x) * self.scale).view(t, self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         o = ops.paged_attention_decode(q, self.k_cache, self.v_cache, md.kv_indptr, md.kv_indices,
-                                       md.kv_last_page_len, 1.0)
+                                       md.kv_last_page_len, self.scale)
         return self.out_proj(o.reshape(t, -1))
 
 

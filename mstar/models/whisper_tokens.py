@@ -111,7 +111,7 @@ class WhisperTokens:
     def decoder_prompt(self, language: str | None = "en", task: str = "transcribe", timestamps: bool = False,
                        prev_ids: list[int] | None = None) -> list[int]:
         """The forced decoder prompt. prev_ids: the text ids of a previous-text prompt
-        (without <|startofprev|>); its last 223 - 1 ids are kept, as Whisper does.
+        (without <|startofprev|>); its last 223 ids are kept, as OpenAI's decoder does.
         language None on a multilingual model: the prompt stops after <|startoftranscript|>
         (detect the language from the next logits: `language_from_logits`, then continue
         with `task_suffix`)."""
@@ -121,7 +121,7 @@ class WhisperTokens:
             prev = [int(i) for i in prev_ids]
             if any(i < 0 or i >= self.eot for i in prev):
                 raise WhisperPromptError("prompt token ids must be text tokens (below <|endoftext|>)")
-            out = [self.startofprev] + prev[-(keep - 1):]
+            out = [self.startofprev] + prev[-keep:]
         out.append(self.sot)
         if not self.multilingual:
             if task != "transcribe":

@@ -68,14 +68,14 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m.add_argument("--device", default="auto",
                    help="auto (the GPU if there is one, else CPU), cpu, cuda or cuda:N.")
     m.add_argument("--tp", type=_positive_int, default=1,
-                   help="Tensor-parallel degree (GPUs the model is split over).")
+                   help="Tensor-parallel degree (GPUs the model is split over; the engine runs tp=1 for now).")
     m.add_argument("--seed", type=int, default=0,
                    help="Seed of the engine (random weights; requests without their own seed).")
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=_positive_int, default=64,
                    help="Most sequences the engine runs in one step (decode batch size).")
     e.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="Context length limit (prompt + output tokens); default: the model's.")
+                   help="Context length limit (prompt + output tokens); default: the model's, at most 4096.")
     e.add_argument("--page-size", type=_positive_int, default=None,
                    help="Tokens per KV-cache page (also the prefix-cache granule); default: MSTAR_PAGE_SIZE.")
     e.add_argument("--num-pages", type=_positive_int, default=None,
@@ -94,8 +94,8 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     s.add_argument("--port", type=_nonneg_int, default=8000,
                    help="TCP port to listen on (0: any free port; the URL is logged when ready).")
     s.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); /health and /metrics "
-                        "stay open. Off when not given.")
+                   help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 otherwise); "
+                        "/health and /metrics stay open. Off when not given.")
     s.add_argument("--max-pending", type=_positive_int, default=1024,
                    help="Overload limit: most sequences (prompts x n) admitted and not yet finished; beyond it "
                         "--overload-policy applies.")

@@ -17,6 +17,7 @@ cd "$(dirname "$0")/../.."
 echo "== environment"; python -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, torch.cuda.get_device_name())"
 echo "MSTAR_CUTE_RUNTIME_LIB=${MSTAR_CUTE_RUNTIME_LIB:-unset}"
 python -c "import importlib.util as u; print('cutlass DSL importable here:', u.find_spec('cutlass') is not None)"
+python -c "import torch, tvm_ffi; print('torch passes its stream to tvm-ffi (DLPack exchange API):', hasattr(torch.Tensor, '__dlpack_c_exchange_api__'))"
 echo "== cache"; python -m mstar.ops.cache ls
 echo "== tests/test_gpu_cute.py"
 python -m pytest -q -rs -p no:cacheprovider tests/test_gpu_cute.py 2>&1 | tail -40

@@ -52,8 +52,10 @@ def _workspace(device) -> torch.Tensor:
     return _state[key]
 
 
-def _decode_wrapper(device, group: int) -> _Planned:
-    key = ("decode", str(device), group >= 4)
+def _decode_wrapper(device, group: int, page: int) -> _Planned:
+    # one wrapper per page size: Whisper alternates self-attention pages and its
+    # 1500-token cross-attention pages in every layer, and each keeps its own plan
+    key = ("decode", str(device), group >= 4, page)
     if key not in _state:
         # tensor cores pay off once several query heads share a kv head
         _state[key] = _Planned(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -61,8 +63,8 @@ def _decode_wrapper(device, group: int) -> _Planned:
     return _state[key]
 
 
-def _prefill_wrapper(device) -> _Planned:
-    key = ("prefill", str(device))
+def _prefill_wrapper(device, page: int) -> _Planned:
+    key = ("prefill", str(device), page)
     if key not in _state:
         _state[key] = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(device), "NHD"))
     return _state[key]
@@ -84,7 +86,7 @@ def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
             q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    p = _decode_wrapper(q.device, hq // hkv)
+    p = _decode_wrapper(q.device, hq // hkv, page)
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
         p.wrapper.plan(_host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len), hq, hkv, d, page,
@@ -101,7 +103,7 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
             q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale)
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    p = _prefill_wrapper(q.device)
+    p = _prefill_wrapper(q.device, page)
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
         p.wrapper.plan(_host(qo_indptr), _host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len),

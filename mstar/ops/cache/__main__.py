@@ -108,7 +108,7 @@ def cmd_ls(args) -> int:
         print(f"cute/{e.meta.get('kernel')}/{e.key}  {_human(e.size()):>9}  {f.get('arch')}  "
               f"dsl {f.get('cutlass_dsl')}  tvm-ffi {f.get('tvm_ffi')}  compile {e.meta.get('build', {}).get('compile_s', '?')}s  "
               f"{_params_str(f.get('params', {}))}")
-    for top in sorted(p for p in base.iterdir() if p.is_dir() and p.name != "cute"):
+    for top in sorted(p for p in base.iterdir() if p.is_dir() and p.name != "cute" and not p.name.startswith(".")):
         size, files = store.dir_size(top)
         print(f"{top.name + '/':<12} {_human(size):>9}  {files} files")
     print(f"{n} CuTe kernel entries")

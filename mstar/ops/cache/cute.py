@@ -344,7 +344,27 @@ def _load(so: Path, symbol: str) -> Any:
     _modules.append(mod)
     fn = mod[symbol]
     STATS["loaded"] += 1
+    if not _torch_passes_stream():
+        fn = _on_torch_stream(fn)
     return fn
+
+
+def _torch_passes_stream() -> bool:
+    """True when torch gives tvm-ffi its current stream with every call (the DLPack exchange API,
+    native in recent torch or installed by tvm-ffi); otherwise we set tvm-ffi's env stream ourselves."""
+    import torch
+
+    return hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
+def _on_torch_stream(fn: Any) -> Callable:
+    import tvm_ffi
+
+    def call(*args):
+        with tvm_ffi.use_torch_stream():
+            return fn(*args)
+
+    return call
 
 
 @atexit.register

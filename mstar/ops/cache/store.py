@@ -200,7 +200,7 @@ def export_archive(dest: Path, base: Path | None = None, kinds: list[str] | None
     tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
     nfiles = nbytes = 0
     with tarfile.open(tmp, "w:gz") as tar:
-        for top in sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []:
+        for top in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []:
             if kinds and top.name not in kinds:
                 continue
             if top.name == "cute":
@@ -244,7 +244,10 @@ def import_archive(src: Path, base: Path | None = None) -> tuple[int, int]:
                 if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
                     raise ValueError(f"{src}: refusing archive member {m.name!r}")
                 members.append(m)
-            tar.extractall(tdp, members=members)
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links, devices, odd modes too
+                tar.extractall(tdp, members=members, filter="data")
+            else:
+                tar.extractall(tdp, members=members)
         for e in iter_entries(tdp):
             if isinstance(e, tuple):
                 continue
