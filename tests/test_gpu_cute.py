@@ -53,7 +53,7 @@ def _check_graph(fn, make_args, ref_fn, tol, mutated=()):
         for o, r in zip(outs, refs):
             _close(o, r, tol)
         for i in mutated:
-            _close(static[i], ref_in[i], 1e-4)
+            _close(static[i], ref_in[i], 1e-3)
 
 
 NORM_CASES = [(1024, True), (2560, True), (256, True), (1024, False), (128, False)]
@@ -134,7 +134,7 @@ def test_gdn_decode_in_place(b, h):
     torch.cuda.synchronize()
     o_ref = op.backends["reference"].fn(*ref_args)
     _close(o, o_ref, 2e-2)
-    _close(args[5], ref_args[5], 1e-4)
+    _close(args[5], ref_args[5], 1e-3)
     assert torch.equal(args[5][untouched], before), "slots not named must not change"
 
 
