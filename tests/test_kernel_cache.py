@@ -173,7 +173,7 @@ def test_cli_build_ls_export_clear_import_round_trip(tmp_path):
     assert n >= 4 and "triton/" in listing
     cli(a, "export", str(arc))
     cli(a, "clear")
-    assert f"0 CuTe kernel entries" in cli(a, "ls")
+    assert "0 CuTe kernel entries" in cli(a, "ls")
     out = cli(b, "import", str(arc))
     assert f"{n} CuTe kernel entries" in out and "1 other files" in out
     assert f"{n} CuTe kernel entries" in cli(b, "ls")
@@ -296,8 +296,9 @@ def test_backend_calls_match_compiled_signatures(monkeypatch):
     assert y.shape == s.shape == (5, 256)
     cute_norm.gated_rms_norm(x, r, torch.randn(256, dtype=torch.float32), 1e-6)
     q = torch.randn(4, 16, 128, dtype=bf)
-    o = cute_gdn.gdn_decode(q, q.clone(), torch.randn(4, 16, 64, dtype=bf), -torch.rand(4, 16), torch.rand(4, 16).to(bf),
-                            torch.zeros(9, 16, 128, 64), torch.tensor([3, 0, 8, 5]), 128 ** -0.5)
+    o = cute_gdn.gdn_decode(q, q.clone(), torch.randn(4, 16, 64, dtype=bf), -torch.rand(4, 16),
+                            torch.rand(4, 16).to(bf), torch.zeros(9, 16, 128, 64), torch.tensor([3, 0, 8, 5]),
+                            128 ** -0.5)
     assert o.shape == (4, 16, 64) and o.dtype == bf
     assert [c[0].name for c in calls] == ["rms_norm", "fused_add_rms_norm", "gated_rms_norm", "gdn_decode"]
     for k, params, args in calls:

@@ -215,3 +215,54 @@ def test_step_inputs_decode_only_and_prefill_only():
     assert ctx.attn.slot_mapping.tolist() == [28] and n == 1 and ctx.state is None
     ctx, n = b.build(StepRows([], [], [], [], [1, 2], [0], [2], [[3]], [], [False], []))
     assert ctx.attn.slot_mapping.tolist() == [12, 13] and n == 0 and ctx.logits_indices.numel() == 0
+
+
+@pytest.mark.parametrize("spec", [ATTN, HYBRID], ids=["attn", "hybrid"])
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_fuzz_invariants(spec, mode):
+    """Random arrivals, lengths, aborts and a tight pool: the cache bookkeeping stays
+    consistent every step, every sequence finishes, and everything is returned."""
+    import random
+    rng = random.Random(10 * (mode == "offload") + len(spec.state))
+    cm, sched = make(spec, num_pages=20, page_size=4, max_num_seqs=6, budget=10, mode=mode)
+    live: dict[str, Sequence] = {}
+    done = 0
+    for step in range(400):
+        if step < 300 and rng.random() < 0.5:
+            rid = f"r{step}"
+            s = seq(rid, rng.randint(1, 30), max_tokens=rng.randint(1, 20), base=rng.randrange(3) * 1000)
+            live[rid] = s
+            sched.add(s)
+        if live and rng.random() < 0.15:
+            victim = live.pop(rng.choice(sorted(live)))
+            sched.remove(victim)
+            done += 1
+        o = sched.schedule()
+        for f in o.failed:
+            live.pop(f.request_id)
+            sched.remove(f)
+            done += 1
+        advance(cm, sched, o)
+        for s in list(o.decode) + [r.seq for r in o.prefill if r.end == r.seq.num_computed]:
+            if s.request_id in live and s.num_output_tokens >= s.params.max_tokens:
+                live.pop(s.request_id)
+                sched.remove(s)
+                done += 1
+        assert len(sched.running) <= 6
+    while live:
+        o = sched.schedule()
+        assert not o.is_empty or o.failed
+        for f in o.failed:
+            live.pop(f.request_id)
+            sched.remove(f)
+        advance(cm, sched, o)
+        for s in list(o.decode) + [r.seq for r in o.prefill]:
+            if s.request_id in live and s.num_output_tokens >= s.params.max_tokens:
+                live.pop(s.request_id)
+                sched.remove(s)
+    assert not sched.running and not sched.waiting
+    cm.reset_prefix_cache()
+    st = cm.stats()
+    assert st.free_pages == st.total_pages and st.free_slots == st.total_slots
+    assert st.snapshot_slots_free == st.snapshot_slots_total
+    assert sched.num_preemptions > 0

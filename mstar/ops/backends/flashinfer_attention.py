@@ -33,13 +33,22 @@ class _Planned:
         self.shape_key = None
 
     def stale(self, indptr: torch.Tensor, shape_key) -> bool:
-        return not (self.ref is not None and self.ref() is indptr and self.version == indptr._version
+        return not (self.ref is not None and self.ref() is indptr and self.version == _version(indptr)
                     and self.shape_key == shape_key)
 
     def mark(self, indptr: torch.Tensor, shape_key) -> None:
         self.ref = weakref.ref(indptr)
-        self.version = indptr._version
+        self.version = _version(indptr)
         self.shape_key = shape_key
+
+
+def _version(t: torch.Tensor) -> int:
+    # inference tensors (the engine runs under inference_mode) keep no version counter;
+    # for them the object identity alone says whether the plan is current
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 _state: dict[tuple, _Planned] = {}

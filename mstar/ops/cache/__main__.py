@@ -106,7 +106,8 @@ def cmd_ls(args) -> int:
         f = e.meta.get("fields", {})
         n += 1
         print(f"cute/{e.meta.get('kernel')}/{e.key}  {_human(e.size()):>9}  {f.get('arch')}  "
-              f"dsl {f.get('cutlass_dsl')}  tvm-ffi {f.get('tvm_ffi')}  compile {e.meta.get('build', {}).get('compile_s', '?')}s  "
+              f"dsl {f.get('cutlass_dsl')}  tvm-ffi {f.get('tvm_ffi')}  "
+              f"compile {e.meta.get('build', {}).get('compile_s', '?')}s  "
               f"{_params_str(f.get('params', {}))}")
     for top in sorted(p for p in base.iterdir() if p.is_dir() and p.name != "cute" and not p.name.startswith(".")):
         size, files = store.dir_size(top)

@@ -304,6 +304,11 @@ class CuteKernel:
             if fn is None:
                 STATS["misses_unbuildable"] += 1
                 ev.setdefault("source", "unavailable")
+                if "error" not in ev:
+                    log.warning("cute: %s %s for %s is not in %s and cannot be built here (no DSL or cache "
+                                "disabled); the op runs on its next backend. Build it with `python -m "
+                                "mstar.ops.cache build` where nvidia-cutlass-dsl is installed.",
+                                self.name, params, arch, self.kernel_dir())
             ev["total_s"] = round(time.perf_counter() - t0, 6)
             EVENTS.append(ev)
             self._memo[mk] = fn

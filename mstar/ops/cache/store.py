@@ -200,7 +200,8 @@ def export_archive(dest: Path, base: Path | None = None, kinds: list[str] | None
     tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
     nfiles = nbytes = 0
     with tarfile.open(tmp, "w:gz") as tar:
-        for top in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []:
+        tops = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")) if base.is_dir() else []
+        for top in tops:
             if kinds and top.name not in kinds:
                 continue
             if top.name == "cute":
