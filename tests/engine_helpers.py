@@ -172,6 +172,9 @@ def assert_no_leaks(core) -> None:
     assert s.free_slots == s.total_slots, s
     assert s.snapshot_slots_free == s.snapshot_slots_total, s
     assert s.offloaded_requests == 0, s
+    assert s.cross_slots_free == s.cross_slots_total, s  # encoder-decoder models: cross K/V slots
     assert core.sampler.num_free == core.sampler.max_rows
+    masks = getattr(core, "token_masks", None)
+    assert masks is None or not masks.active, "suppression masks left on released sampler rows"
     core.cm.check()
 POOL_SEED = 21

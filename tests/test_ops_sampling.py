@@ -227,3 +227,17 @@ def test_opcheck():
     args = _mixed_batch(5, 300, gen)
     for n in (3, 0):
         torch.library.opcheck(ops.sample.overload, (*args, n))
+
+
+def test_greedy_sample_equals_sample_at_temperature_zero():
+    # the runtime's all-greedy fast path must be indistinguishable from the op
+    B, V = 9, 1000
+    logits = torch.randn(B, V)
+    logits[0, 10] = logits[0, 500] = logits[0].max() + 1.0  # a tie: lowest index wins in both
+    z = torch.zeros(B)
+    full = ops.sample(logits, z, torch.zeros(B, dtype=torch.int64), torch.ones(B), z,
+                      torch.randint(0, 2**40, (B,)), torch.arange(B), 5)
+    fast = ops.greedy_sample(logits, 5)
+    for a, b in zip(full, fast):
+        assert torch.equal(a, b)
+    assert fast[0][0].item() == 10

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from mstar.models.context import CacheSpec, ForwardContext, ModelCaches
-from mstar.models.layers import Embedding, Linear, QKNormAttention, RMSNorm, RotaryCache, weight_map
+from mstar.models import parallel
+from mstar.models.layers import (ParallelLMHead, QKNormAttention, RMSNorm, RotaryCache, VocabParallelEmbedding,
+                                  weight_map)
 
 log = logging.getLogger("mstar.models")
 
@@ -65,7 +67,7 @@ class TextModel(nn.Module):
 
     def __init__(self, vocab: int, hidden: int, layers: list[DecoderLayer], eps: float, zero_centered: bool):
         super().__init__()
-        self.embed_tokens = Embedding(vocab, hidden)
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden)  # tp = 1: a plain Embedding
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, eps, zero_centered)
 
@@ -99,11 +101,12 @@ class DecoderLM(nn.Module):
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self._weight_map = None
         self._caches_bound = False
+        self.tp_size = parallel.tp_size()  # tensor parallel (parallel.py); 1: a single device
 
     def _finish_init(self, rotary_dim: int, rope_theta: float) -> None:
         cfg = self.config
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)  # tp = 1: a plain Linear
         self.rope = RotaryCache(cfg.max_position_embeddings, rotary_dim, rope_theta)
         attn_i = state_i = 0
         for layer in self.model.layers:
@@ -172,7 +175,11 @@ class DecoderLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+        if self.tp_size == 1:
+            return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+        # vocab-parallel head: every rank computes its rows' logits; gather, drop the padding
+        local = torch.nn.functional.linear(hidden, self.lm_head_weight())
+        return parallel.all_gather_last(local)[:, :self.config.vocab_size].float()
 
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> dict:
@@ -207,6 +214,8 @@ class DecoderLM(nn.Module):
                     continue
                 name = self.checkpoint_name(raw_name)
                 if name.startswith("mtp."):
+                    if not isinstance(tensor, torch.Tensor):  # a lazy slice (tensor parallel)
+                        tensor = tensor[:]
                     self.mtp_weights[name[4:]] = tensor.to(device=dev, dtype=dt)
                     continue
                 if name.endswith(self._IGNORED_SUFFIXES):
@@ -217,10 +226,11 @@ class DecoderLM(nn.Module):
                 if slot is None:
                     unexpected.append(raw_name)
                     continue
-                if tuple(tensor.shape) != slot.shape:
+                shape = slot.source_shape(tensor)
+                if shape != slot.shape:
                     raise WeightLoadError(f"checkpoint tensor {raw_name!r}: expected shape "
-                                          f"{list(slot.shape)}, found {list(tensor.shape)}")
-                slot.target().copy_(tensor)
+                                          f"{list(slot.shape)}, found {list(shape)}")
+                slot.load(tensor)  # tensor parallel: only this rank's part
                 loaded.add(name)
         if vision_skipped:
             log.info("skipped %d vision tensors (text model only)", vision_skipped)

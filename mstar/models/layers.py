@@ -20,18 +20,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import ops
+from mstar.models import parallel
 from mstar.models.context import AttentionLayerSpec, ForwardContext
 
 
 # --- weight map -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardInfo:
+    """Tensor parallel: the part of a checkpoint tensor of shape `full_shape` this rank
+    holds. `pieces` are (source start, destination start, length) along `dim`; rows of
+    the destination from `pad_from` on (dim 0) are padding, zeroed at load."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    pieces: tuple[tuple[int, int, int], ...]
+    pad_from: int | None = None
+
+
+def set_shard(module: nn.Module, pname: str, full_shape: Sequence[int], pieces, dim: int = 0,
+              pad_from: int | None = None) -> None:
+    """Declare that `module.<pname>` holds a shard of the checkpoint tensor (see ShardInfo)."""
+    shards = module.__dict__.setdefault("tp_shards", {})
+    shards[pname] = ShardInfo(tuple(int(x) for x in full_shape), dim,
+                              tuple((int(a), int(b), int(c)) for a, b, c in pieces), pad_from)
+
+
+def _src_shape(src) -> tuple[int, ...]:
+    return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+
+
+def _src_part(src, dim: int, start: int, length: int) -> torch.Tensor:
+    """src.narrow(dim, start, length) of a tensor, or the same read from a lazy
+    safetensors slice (only that part is read from disk)."""
+    if isinstance(src, torch.Tensor):
+        return src.narrow(dim, start, length)
+    idx = [slice(None)] * len(src.get_shape())
+    idx[dim] = slice(start, start + length)
+    return src[tuple(idx)]
+
+
 @dataclass
 class WeightSlot:
     """Where one checkpoint tensor goes: rows [offset, offset + rows) of `param`
-    (rows = None: the whole parameter)."""
+    (rows = None: the whole parameter); `shard`: only part of it (tensor parallel)."""
 
     param: torch.Tensor
     offset: int = 0
     rows: int | None = None
+    shard: ShardInfo | None = None
 
     def target(self) -> torch.Tensor:
         if self.rows is None:
@@ -40,9 +76,30 @@ class WeightSlot:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape."""
+        if self.shard is not None:
+            return self.shard.full_shape
         if self.rows is None:
             return tuple(self.param.shape)
         return (self.rows, *self.param.shape[1:])
+
+    def source_shape(self, src) -> tuple[int, ...]:
+        return _src_shape(src)
+
+    def load(self, src) -> None:
+        """Copy (this rank's part of) the checkpoint tensor `src` into the parameter."""
+        sh = self.shard
+        if sh is None:
+            if not isinstance(src, torch.Tensor):
+                src = src[:]
+            self.target().copy_(src)
+            return
+        dst = self.target()
+        if sh.pad_from is not None and sh.pad_from < dst.shape[0]:
+            dst.narrow(0, sh.pad_from, dst.shape[0] - sh.pad_from).zero_()
+        for s, d, n in sh.pieces:
+            if n > 0:
+                dst.narrow(sh.dim, d, n).copy_(_src_part(src, sh.dim, s, n))
 
 
 def weight_map(module: nn.Module) -> dict[str, WeightSlot]:
@@ -57,17 +114,28 @@ def weight_map(module: nn.Module) -> dict[str, WeightSlot]:
         if isinstance(mod, FusedLinear):
             base = prefix.rsplit(".", 1)[0] + "." if "." in prefix else ""
             off = 0
-            for shard, rows in zip(mod.shard_names, mod.shard_sizes):
-                out[f"{base}{shard}.weight"] = WeightSlot(mod.weight, off, rows)
+            for i, (shard, rows) in enumerate(zip(mod.shard_names, mod.shard_sizes)):
+                ws = wb = None
+                if mod.sources is not None:
+                    start, full = mod.sources[i]
+                    ws = ShardInfo((full, mod.weight.shape[1]), 0, ((start, 0, rows),))
+                    wb = ShardInfo((full,), 0, ((start, 0, rows),))
+                out[f"{base}{shard}.weight"] = WeightSlot(mod.weight, off, rows, ws)
                 if mod.bias is not None:
-                    out[f"{base}{shard}.bias"] = WeightSlot(mod.bias, off, rows)
+                    out[f"{base}{shard}.bias"] = WeightSlot(mod.bias, off, rows, wb)
                 off += rows
             fused_params.add(id(mod.weight))
             if mod.bias is not None:
                 fused_params.add(id(mod.bias))
+    shards: dict[int, ShardInfo] = {}
+    for mod in module.modules():
+        for pname, info in mod.__dict__.get("tp_shards", {}).items():
+            p = getattr(mod, pname, None)
+            if p is not None:
+                shards[id(p)] = info
     for name, p in module.named_parameters():
         if id(p) not in fused_params:
-            out[name] = WeightSlot(p)
+            out[name] = WeightSlot(p, shard=shards.get(id(p)))
     return out
 
 
@@ -81,10 +149,13 @@ class FusedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, shard_names: Sequence[str], shard_sizes: Sequence[int],
-                 bias: bool = False):
+                 bias: bool = False, sources: Sequence[tuple[int, int]] | None = None):
+        """`sources` (tensor parallel): per part, (first row taken, rows of the checkpoint
+        tensor); the part holds checkpoint rows [first, first + shard_size). None: whole."""
         super().__init__()
         self.shard_names = tuple(shard_names)
         self.shard_sizes = tuple(int(s) for s in shard_sizes)
+        self.sources = None if sources is None else tuple((int(a), int(b)) for a, b in sources)
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
@@ -108,6 +179,26 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """Linear whose input features are split over the tensor-parallel ranks: each rank
+    multiplies its columns and the partial outputs are summed (one all-reduce), then the
+    bias is added. tp = 1: exactly Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        start, local = parallel.block(in_features, rank, size, "the input features of a row-parallel linear")
+        super().__init__(local, out_features, bias)
+        self.tp_size = size
+        if size > 1:
+            set_shard(self, "weight", (out_features, in_features), ((start, 0, local),), dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
@@ -115,6 +206,44 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
+    """Embedding split over the ranks by vocabulary rows (padded to a multiple of the world
+    size): a rank looks up the ids it holds, zeros the others, and the ranks all-reduce.
+    The weight doubles as the tied LM head's shard. tp = 1: exactly Embedding."""
+
+    def __init__(self, num_embeddings: int, dim: int):
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        start, valid, per = parallel.vocab_block(num_embeddings, rank, size)
+        super().__init__(per if size > 1 else num_embeddings, dim)
+        self.tp_size = size
+        self.vocab_size = num_embeddings
+        self.vocab_start, self.vocab_valid = start, valid
+        if size > 1:
+            set_shard(self, "weight", (num_embeddings, dim), ((start, 0, valid),),
+                      pad_from=valid if valid < per else None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_valid)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return parallel.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(Linear):
+    """The untied LM head, split by vocabulary rows like VocabParallelEmbedding (the
+    model all-gathers the logits). tp = 1: exactly Linear(hidden, vocab)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        start, valid, per = parallel.vocab_block(vocab, rank, size)
+        super().__init__(hidden, per if size > 1 else vocab)
+        if size > 1:
+            set_shard(self, "weight", (vocab, hidden), ((start, 0, valid),),
+                      pad_from=valid if valid < per else None)
 
 
 class ParamHolder(nn.Module):
@@ -156,8 +285,11 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act != "silu":
             raise ValueError(f"unsupported MLP activation {act!r} (only silu)")
-        self.gate_up_proj = FusedLinear(hidden, ("gate_proj", "up_proj"), (intermediate, intermediate))
-        self.down_proj = Linear(intermediate, hidden)
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        start, local = parallel.block(intermediate, rank, size, "intermediate_size")
+        sources = None if size == 1 else ((start, intermediate), (start, intermediate))
+        self.gate_up_proj = FusedLinear(hidden, ("gate_proj", "up_proj"), (local, local), sources=sources)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -236,14 +368,21 @@ class QKNormAttention(nn.Module):
     def __init__(self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  zero_centered_norm: bool, output_gate: bool, bias: bool = False):
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        # tensor parallel: this rank's query heads and the KV heads they read
+        q_start, self.num_heads = parallel.block(num_heads, rank, size, "num_attention_heads")
+        kv_start, self.num_kv_heads = parallel.kv_heads(num_kv_heads, rank, size)
         self.head_dim = head_dim
         self.output_gate = output_gate
-        q_rows = num_heads * head_dim * (2 if output_gate else 1)
-        kv_rows = num_kv_heads * head_dim
-        self.qkv_proj = FusedLinear(hidden, ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden, bias)
+        per_head = head_dim * (2 if output_gate else 1)
+        q_rows = self.num_heads * per_head
+        kv_rows = self.num_kv_heads * head_dim
+        sources = None if size == 1 else ((q_start * per_head, num_heads * per_head),
+                                          (kv_start * head_dim, num_kv_heads * head_dim),
+                                          (kv_start * head_dim, num_kv_heads * head_dim))
+        self.qkv_proj = FusedLinear(hidden, ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), bias,
+                                    sources=sources)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias)
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.scale = head_dim ** -0.5

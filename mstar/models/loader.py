@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from mstar.models import presets
+from mstar.models import parallel, presets
 from mstar.models.base import DecoderLM, WeightLoadError
 
 log = logging.getLogger("mstar.models")
@@ -46,6 +46,9 @@ def _config_from_dir(path: str):
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json")
     raw = _read_json(cfg_path)
+    if raw.get("model_type") == "whisper":
+        from mstar.models.whisper import whisper_config_from_dir
+        return whisper_config_from_dir(path)
     from transformers import Qwen3_5TextConfig, Qwen3Config
     if isinstance(raw.get("text_config"), dict):  # multimodal checkpoint: take its text model
         text = dict(raw["text_config"])
@@ -91,6 +94,9 @@ def model_class(config) -> type[DecoderLM]:
     if mt in _QWEN3_TYPES:
         from mstar.models.qwen3 import Qwen3ForCausalLM
         return Qwen3ForCausalLM
+    if mt == "whisper":
+        from mstar.models.whisper import WhisperForConditionalGeneration
+        return WhisperForConditionalGeneration
     raise ValueError(f"model_type {mt!r} is not supported")
 
 
@@ -124,14 +130,17 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def iter_checkpoint(path: str, device: str | torch.device = "cpu", progress: bool = True,
-                    skip_prefixes: tuple[str, ...] = DecoderLM._VISION_PREFIXES) -> Iterator[tuple[str, torch.Tensor]]:
+                    skip_prefixes: tuple[str, ...] = DecoderLM._VISION_PREFIXES,
+                    lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) from a directory's safetensors, one tensor at a time; tensors
-    whose names start with `skip_prefixes` are not read (one log line counts them)."""
+    whose names start with `skip_prefixes` are not read (one log line counts them).
+    lazy: yield safetensors slices instead (read on the CPU, only the part that is indexed:
+    tensor-parallel ranks take their shard without reading the whole tensor)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
     files = checkpoint_files(path)
     dev = torch.device(device)
-    open_dev = str(dev) if dev.type == "cuda" else "cpu"
+    open_dev = str(dev) if dev.type == "cuda" and not lazy else "cpu"
     names: list[tuple[str, list[str]]] = []
     for fpath in files:
         with safe_open(fpath, framework="pt", device="cpu") as f:
@@ -146,7 +155,7 @@ def iter_checkpoint(path: str, device: str | torch.device = "cpu", progress: boo
                     if k.startswith(skip_prefixes):
                         skipped += 1
                         continue
-                    yield k, f.get_tensor(k)
+                    yield k, (f.get_slice(k) if lazy else f.get_tensor(k))
     if skipped:
         log.info("skipped %d vision tensors of %s (text model only)", skipped, path)
 
@@ -164,7 +173,18 @@ def load_model(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: 
     preset = None if is_dir else presets.get(name_or_dir)
     config = resolve_config(name_or_dir)
     device = torch.device(device)
-    if preset is not None and preset.embedded:
+    tp = parallel.tp_size()
+    if tp > 1:
+        parallel.check_config(config, tp)
+    if tp > 1 and preset is not None and preset.embedded:
+        # the same weights as tp = 1: draw the whole (tiny) model, then take this rank's shard
+        with parallel.single_rank():
+            full = build_model(config, dtype=torch.float32, device="cpu")
+        full.init_random(seed, std=preset.init_std)
+        model = build_model(config, dtype=dtype, device=device)
+        model.load_weights((n, s.target()) for n, s in full.expected_weights().items())
+        del full
+    elif preset is not None and preset.embedded:
         model = build_model(config, dtype=torch.float32, device="cpu")
         model.init_random(seed, std=preset.init_std)
         model = model.to(device=device, dtype=dtype)
@@ -172,10 +192,10 @@ def load_model(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: 
         model._weight_map = None
     else:
         model = build_model(config, dtype=dtype, device=device)
-        if random_weights:
-            model.init_random(seed, std=preset.init_std if preset else None)
+        if random_weights:  # tensor parallel: each rank draws its own shard (not tp = 1's weights)
+            model.init_random(seed + 7919 * parallel.tp_rank(), std=preset.init_std if preset else None)
         elif is_dir:
-            model.load_weights(iter_checkpoint(name_or_dir, device, progress))
+            model.load_weights(iter_checkpoint(name_or_dir, device, progress, lazy=tp > 1))
         else:
             raise ValueError(f"preset {name_or_dir!r} has no weights here: pass the checkpoint directory, "
                              f"or random_weights=True")

@@ -115,6 +115,14 @@ def names() -> list[str]:
 
 def make_config(preset: Preset):
     """The transformers text config of a preset."""
+    if preset.model_type == "whisper":
+        return _whisper_presets.make_config(preset)
     from transformers import Qwen3_5TextConfig, Qwen3Config
     cls = {"qwen3_5_text": Qwen3_5TextConfig, "qwen3": Qwen3Config}[preset.model_type]
     return cls(**preset.config)
+
+
+# Whisper presets (whisper_presets.py): registered last (it imports Preset from here)
+from mstar.models import whisper_presets as _whisper_presets  # noqa: E402
+
+_whisper_presets.register(PRESETS)

@@ -26,7 +26,9 @@ from torch import nn
 from mstar import ops
 from mstar.models.base import DecoderLayer, DecoderLM, TextModel
 from mstar.models.context import ForwardContext, StateLayerSpec
-from mstar.models.layers import FusedLinear, GatedMLP, Linear, ParamHolder, QKNormAttention, rope_settings
+from mstar.models import parallel
+from mstar.models.layers import (FusedLinear, GatedMLP, Linear, ParamHolder, QKNormAttention, RowParallelLinear,
+                                  rope_settings, set_shard)
 
 L2_EPS = 1e-6  # transformers' l2norm eps in the gated delta rule
 
@@ -49,13 +51,16 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.hidden = config.hidden_size
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        hk_all, hv_all = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
-                             f"linear_num_key_heads ({self.num_k_heads})")
+        if hv_all % hk_all:
+            raise ValueError(f"linear_num_value_heads ({hv_all}) must be a multiple of "
+                             f"linear_num_key_heads ({hk_all})")
+        # tensor parallel: a contiguous block of key heads and the value heads they serve
+        size, rank = parallel.tp_size(), parallel.tp_rank()
+        hk0, self.num_k_heads = parallel.block(hk_all, rank, size, "linear_num_key_heads")
+        hv0, self.num_v_heads = parallel.block(hv_all, rank, size, "linear_num_value_heads")
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -65,13 +70,27 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"Gated DeltaNet conv activation {act!r} is not supported (only silu)")
         # checkpoint: in_proj_qkv [conv_dim, H]; in_proj_z [value_dim, H]; in_proj_b/a [Hv, H]
         self.in_proj_qkv = Linear(self.hidden, self.conv_dim)
+        zba_src = None
+        if size > 1:
+            kd_all, vd_all = hk_all * self.head_k_dim, hv_all * self.head_v_dim
+            zba_src = ((hv0 * self.head_v_dim, vd_all), (hv0, hv_all), (hv0, hv_all))
         self.in_proj_zba = FusedLinear(self.hidden, ("in_proj_z", "in_proj_b", "in_proj_a"),
-                                       (self.value_dim, self.num_v_heads, self.num_v_heads))
+                                       (self.value_dim, self.num_v_heads, self.num_v_heads), sources=zba_src)
         self.conv1d = ParamHolder(self.conv_dim, 1, self.conv_kernel)  # depthwise, no bias
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, self.hidden)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)  # per head dim: replicated
+        self.out_proj = RowParallelLinear(hv_all * self.head_v_dim, self.hidden)
+        if size > 1:
+            # q, k, v channels of the fused projection and of the conv, each sliced by head
+            kd, vd = self.key_dim, self.value_dim
+            qkv = ((hk0 * self.head_k_dim, 0, kd), (kd_all + hk0 * self.head_k_dim, kd, kd),
+                   (2 * kd_all + hv0 * self.head_v_dim, 2 * kd, vd))
+            conv_all = 2 * kd_all + vd_all
+            set_shard(self.in_proj_qkv, "weight", (conv_all, self.hidden), qkv)
+            set_shard(self.conv1d, "weight", (conv_all, 1, self.conv_kernel), qkv)
+            for name in ("dt_bias", "A_log"):
+                set_shard(self, name, (hv_all,), ((hv0, 0, self.num_v_heads),))
         self.scale = self.head_k_dim ** -0.5
         self.state_index = -1
         self.conv_state: torch.Tensor | None = None

@@ -79,4 +79,7 @@ def load_tokenizer(name_or_dir: str):
         raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset ({', '.join(presets.names())})")
     if p.embedded:
         return byte_tokenizer()
+    if p.model_type == "whisper":  # random-weight presets: a byte-level tokenizer with Whisper's layout
+        from mstar.models.whisper_tokenizer import whisper_byte_tokenizer
+        return whisper_byte_tokenizer(int(p.config["vocab_size"]))
     raise ValueError(f"preset {p.name!r} has no built-in tokenizer: pass the checkpoint directory instead")

@@ -95,6 +95,19 @@ def _sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return tokens, tok_lp, top_ids, top_lp
 
 
+def greedy_sample(logits: torch.Tensor, num_logprobs: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `sample` returns when every row is greedy, without its sort over the vocabulary
+    (the runtime knows on the host when a batch is all greedy, so no device sync decides it).
+    Same tokens as `sample` (argmax, ties to the lowest index) and the same logprobs."""
+    lf = logits.to(torch.float32)
+    tokens = lf.argmax(dim=-1)
+    logprobs_all = torch.log_softmax(lf, dim=-1)
+    tok_lp = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_lp, top_ids = torch.topk(logprobs_all, num_logprobs, dim=-1)
+    return tokens, tok_lp, top_ids, top_lp
+
+
 def _sample_fake(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs):
     B = logits.shape[0]
     dev = logits.device
@@ -130,4 +143,4 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     return out
 
 
-__all__ = ["sample", "apply_penalties"]
+__all__ = ["sample", "greedy_sample", "apply_penalties"]

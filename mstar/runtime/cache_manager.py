@@ -8,7 +8,7 @@ Pieces (each in its own module):
     to_host / to_device (offload.py) host copies for offload / reload
 
 Life of a request:
-    n = admit(id, prompt)                 slot + cached prefix; n tokens are already computed
+    n = admit(id, prompt)                 slot (+ cross slot) + cached prefix; n tokens already computed
     loop:
         ensure_capacity(id, end)          pages for positions < end (copy-on-write of shared ones)
         snapshot_slots(id, start, end, t) hybrid models: where to keep state snapshots
@@ -71,6 +71,8 @@ class CacheStats:
     cached_snapshots: int = 0  # snapshot slots attached to cache entries
     reserved_snapshots: int = 0  # snapshot slots handed out and not yet committed
     offloaded_requests: int = 0
+    cross_slots_total: int = 0  # encoder-decoder models: cross-attention K/V slots
+    cross_slots_free: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -88,12 +90,13 @@ class _Request:
     snaps: dict[int, int] = field(default_factory=dict)  # boundary position -> reserved snapshot slot
     host: HostCopy | None = None  # set while offloaded
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at admit
+    cross: int | None = None  # encoder-decoder models: the cross-attention K/V slot
 
 
 class CacheManager:
     def __init__(self, spec: CacheSpec, *, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device, enable_prefix_cache: bool = True,
-                 num_snapshot_slots: int = 0):
+                 num_snapshot_slots: int = 0, num_cross_slots: int = 0):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.spec = spec
@@ -108,6 +111,13 @@ class CacheManager:
             num_slots, num_snapshot_slots = 0, 0
         self.num_slots = num_slots
         self.num_snapshot_slots = num_snapshot_slots
+        # encoder-decoder models (spec.cross): one cross slot per running request, filled by
+        # the engine (model.encode) when the request is admitted. The prefix cache is off for
+        # them: the decoder's self-attention KV depends on the audio, not only on the tokens.
+        self.has_cross = spec.cross is not None
+        if self.has_cross and num_cross_slots < 1:
+            raise ValueError("a model with cross-attention needs num_cross_slots >= 1")
+        self.num_cross_slots = num_cross_slots if self.has_cross else 0
 
         c = ModelCaches()
         for a in spec.attention:
@@ -119,7 +129,13 @@ class CacheManager:
             c.conv_states.append(torch.zeros((rows, s.conv_dim, s.conv_kernel - 1), dtype=dtype, device=self.device))
             c.recurrent_states.append(torch.zeros((rows, s.num_heads, s.key_dim, s.value_dim),
                                                   dtype=spec.state_dtype, device=self.device))
+        if self.has_cross:
+            for a in spec.cross.layers:
+                shape = (self.num_cross_slots, spec.cross.max_source_len, a.num_kv_heads, a.head_dim)
+                c.cross_k_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
+                c.cross_v_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
         self.caches = c
+        self._cross = SlotPool(0, self.num_cross_slots)
 
         self._pool = PagePool(num_pages)
         self._slots = SlotPool(0, num_slots)
@@ -209,7 +225,8 @@ class CacheManager:
     def _uses_prefix(self) -> bool:
         # a model with state can only resume from a snapshot: without snapshot slots the
         # prefix cache could never hit, so it is skipped (no hashing, no queries counted)
-        return self.enable_prefix_cache and (not self.has_state or self.num_snapshot_slots > 0)
+        return self.enable_prefix_cache and (not self.has_state or self.num_snapshot_slots > 0) \
+            and not self.has_cross
 
     # ======================================================================================
     # the API
@@ -232,6 +249,8 @@ class CacheManager:
             raise ValueError("empty prompt")
         if self.has_state and self._slots.num_free == 0:
             return None
+        if self.has_cross and self._cross.num_free == 0:
+            return None
         r = _Request(root=root_key(cache_salt))
         hit: list[int] = []  # pages
         if self._uses_prefix():
@@ -253,6 +272,8 @@ class CacheManager:
             return None
         if self.has_state:
             r.slot = self._slots.allocate()
+        if self.has_cross:
+            r.cross = self._cross.allocate()
         for p in hit:
             self._incref(p)
         r.pages = hit
@@ -363,6 +384,12 @@ class CacheManager:
         s = self._get(req_id).slot
         return -1 if s is None else s
 
+    def cross_slot(self, req_id: str) -> int:
+        """The request's cross-attention slot; -1 for models without cross-attention or
+        while offloaded (its cross K/V is dropped then: the engine re-encodes on reload)."""
+        s = self._get(req_id).cross
+        return -1 if s is None else s
+
     def cached_tokens(self, req_id: str) -> int:
         """Prompt tokens the prefix cache served at admit."""
         return self._get(req_id).cached_tokens
@@ -381,6 +408,9 @@ class CacheManager:
         if r.slot is not None:
             self._slots.release(r.slot)
             r.slot = None
+        if r.cross is not None:
+            self._cross.release(r.cross)
+            r.cross = None
         self._release_snaps(r)
         r.host = None
 
@@ -390,19 +420,26 @@ class CacheManager:
         if dst_id in self._reqs:
             raise ValueError(f"request {dst_id!r} already exists")
         src = self._active(src_id)
+        if self.has_cross and self._cross.num_free == 0:
+            return False
         slot = None
         if self.has_state:
             slot = self._slots.allocate()
             if slot is None:
                 return False
             self._copy_state(src.slot, slot)
+        cross = None
+        if self.has_cross:
+            cross = self._cross.allocate()
+            for cache in (*self.caches.cross_k_caches, *self.caches.cross_v_caches):
+                cache[cross].copy_(cache[src.cross])
         pages = src.pages[:self._pages_for(src.length)]
         for p in pages:
             self._incref(p)
         full = src.length // self.page_size
         self._reqs[dst_id] = _Request(root=src.root, pages=list(pages), length=src.length, slot=slot,
                                       keys=src.keys[:full], num_registered=src.num_registered,
-                                      cached_tokens=src.cached_tokens)
+                                      cached_tokens=src.cached_tokens, cross=cross)
         return True
 
     def rollback(self, req_id: str, k: int, *, state_restored: bool = False) -> None:
@@ -442,6 +479,9 @@ class CacheManager:
         if r.slot is not None:
             self._slots.release(r.slot)
             r.slot = None
+        if r.cross is not None:  # dropped, not copied: re-encoding is cheaper than the copy
+            self._cross.release(r.cross)
+            r.cross = None
         self._release_snaps(r)
 
     def reload(self, req_id: str) -> bool:
@@ -452,6 +492,8 @@ class CacheManager:
         if r.host is None:
             raise RuntimeError(f"request {req_id!r} is not offloaded")
         if self.has_state and self._slots.num_free == 0:
+            return False
+        if self.has_cross and self._cross.num_free == 0:
             return False
         n = r.host.num_pages
         reuse: list[int | None] = [None] * n  # pages still cached under the request's keys
@@ -477,6 +519,8 @@ class CacheManager:
                 rows.append(i)
         if self.has_state:
             r.slot = self._slots.allocate()
+        if self.has_cross:
+            r.cross = self._cross.allocate()
         to_device(r.host, self.caches, dst, rows, r.slot)
         if self._uses_prefix():  # registered pages that had been evicted are cached again
             for i in rows:
@@ -519,6 +563,8 @@ class CacheManager:
             cached_snapshots=pf.num_snapshots,
             reserved_snapshots=reserved,
             offloaded_requests=sum(1 for r in self._reqs.values() if r.host is not None),
+            cross_slots_total=self.num_cross_slots,
+            cross_slots_free=self._cross.num_free,
         )
 
     def reset_prefix_cache(self) -> None:
@@ -537,6 +583,8 @@ class CacheManager:
         models with state, a free slot. Ignores possible prefix hits (conservative)."""
         if self.has_state and self._slots.num_free == 0:
             return False
+        if self.has_cross and self._cross.num_free == 0:
+            return False
         return self._pages_for(max(num_new_tokens, 1)) <= self._available_pages()
 
     # ======================================================================================
@@ -553,8 +601,9 @@ class CacheManager:
             if r.host is None:
                 assert len(r.pages) >= self._pages_for(r.length), rid
                 assert (r.slot is not None) == self.has_state, rid
+                assert (r.cross is not None) == self.has_cross, rid
             else:
-                assert not r.pages and r.slot is None and not r.snaps, rid
+                assert not r.pages and r.slot is None and not r.snaps and r.cross is None, rid
             assert r.num_registered <= r.length // self.page_size or r.host is not None, rid
             assert len(r.keys) >= r.num_registered, rid
         free = set(pool.free_list())
@@ -579,3 +628,8 @@ class CacheManager:
         assert set(snaps).isdisjoint(self._snap_slots.free_list())
         assert len(snaps) + self._snap_slots.num_free == self.num_snapshot_slots
         assert all(s in self._snap_slots for s in snaps)
+        # cross slots: one per request not offloaded, none leaked
+        cross = [r.cross for r in self._reqs.values() if r.cross is not None]
+        assert len(set(cross)) == len(cross)
+        assert set(cross).isdisjoint(self._cross.free_list())
+        assert len(cross) + self._cross.num_free == self.num_cross_slots

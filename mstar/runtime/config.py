@@ -116,6 +116,7 @@ class CacheSizes:
     page_size: int
     num_slots: int
     num_snapshot_slots: int
+    num_cross_slots: int = 0  # encoder-decoder models (spec.cross): one per running request
 
 
 def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.device,
@@ -137,6 +138,16 @@ def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.devic
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * state_bytes
+    num_cross = 0
+    if getattr(spec, "cross", None) is not None:
+        # cross slots first (the scarce resource): at most max_num_seqs, at most 3/4 of the budget
+        cross_bytes = max(1, spec.cross_bytes_per_sequence(dtype))
+        num_cross = int(min(num_slots, max(budget, 0) * 3 // 4 // cross_bytes))
+        if num_cross < 1:
+            if device.type == "cuda":
+                raise RuntimeError(f"not enough device memory for one cross-attention slot ({cross_bytes} bytes)")
+            num_cross = 1
+        budget -= num_cross * cross_bytes
 
     snap = cfg.num_snapshot_slots
     if snap is None:
@@ -161,4 +172,4 @@ def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.devic
                                    f"({pages_per_seq} pages of {page_bytes} bytes); lower max_model_len")
             num_pages = pages_per_seq + 1
     return CacheSizes(num_pages=num_pages, page_size=page_size, num_slots=num_slots,
-                      num_snapshot_slots=snap)
+                      num_snapshot_slots=snap, num_cross_slots=num_cross)

@@ -31,6 +31,7 @@ import torch
 
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
+from mstar.runtime.encoder import CrossEncoder, TokenMasks, whisper_suppress_defaults
 from mstar.runtime.request import CoreOutput, EngineRequest, RequestError, SamplingParams
 from mstar.runtime.sampler import Sampler
 from mstar.runtime.scheduler import PrefillRow, Scheduler, Sequence
@@ -70,17 +71,29 @@ class EngineCore:
         self.cm = CacheManager(spec, num_pages=sizes.num_pages, page_size=sizes.page_size,
                                num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
                                enable_prefix_cache=config.enable_prefix_caching,
-                               num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0)
+                               num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0,
+                               num_cross_slots=sizes.num_cross_slots)
         model.bind_caches(self.cm.caches)
         self.page_size = sizes.page_size
         self.has_state = bool(spec.state)
         self.has_attention = bool(spec.attention)
         self.sampler = Sampler(config.max_num_seqs, self.vocab_size, self.device)
+        # encoder-decoder models (Whisper): encoder on admission, suppression masks
+        self.has_cross = spec.cross is not None
+        self.is_encoder_decoder = self.has_cross
+        self.encoder = CrossEncoder(model, self.device) if self.has_cross else None
+        self.token_masks = TokenMasks(config.max_num_seqs, self.vocab_size, self.device)
+        self.default_suppress: tuple[int, ...] = ()
+        self.default_begin_suppress: tuple[int, ...] = ()
+        if self.has_cross:
+            sup, begin = whisper_suppress_defaults(model, config.model)
+            self.default_suppress, self.default_begin_suppress = tuple(sup), tuple(begin)
         self.scheduler = Scheduler(self.cm, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
         self.inputs = StepInputBuilder(page_size=self.page_size, device=self.device,
-                                       has_attention=self.has_attention, has_state=self.has_state)
+                                       has_attention=self.has_attention, has_state=self.has_state,
+                                       cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []
@@ -124,6 +137,19 @@ class EngineCore:
                                f"the context length {self.max_model_len}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError("stop_token_ids", f"ids must be in [0, {self.vocab_size})")
+        audio = getattr(req, "audio", None)
+        if self.has_cross:
+            if audio is None:
+                raise RequestError("audio", "this encoder-decoder model needs the audio of the request")
+            bad = self.encoder.check_audio(audio)
+            if bad:
+                raise RequestError("audio", bad)
+        elif audio is not None:
+            raise RequestError("audio", "this model takes no audio input")
+        sup = getattr(req, "suppress_token_ids", None)
+        begin = getattr(req, "begin_suppress_token_ids", None)
+        sup = self.default_suppress if sup is None else tuple(int(t) for t in sup)
+        begin = self.default_begin_suppress if begin is None else tuple(int(t) for t in begin)
         eos = tuple(req.eos_token_ids) or self.eos_token_ids
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -132,7 +158,7 @@ class EngineCore:
         self._arrivals += 1
         seq = Sequence(request_id=rid, token_ids=prompt, num_prompt_tokens=n, params=params,
                        stop_ids=frozenset(stop), seed=int(seed), max_len=self.max_model_len,
-                       arrival=self._arrivals)
+                       arrival=self._arrivals, audio=audio, suppress_ids=sup, begin_suppress_ids=begin)
         self._seqs[rid] = seq
         self.scheduler.add(seq)
 
@@ -152,6 +178,10 @@ class EngineCore:
 
     def _drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self._release_row(seq)
+
+    def _release_row(self, seq: Sequence) -> None:
+        self.token_masks.clear(seq.sampler_row)
         self.sampler.release(seq.sampler_row)
         seq.sampler_row = -1
 
@@ -169,8 +199,7 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
-            self.sampler.release(seq.sampler_row)
-            seq.sampler_row = -1
+            self._release_row(seq)
         for seq in sched.failed:  # cannot fit even alone (should not happen: add_request checks)
             log.error("request %s cannot fit in the cache even alone; finished", seq.request_id)
             self._seqs.pop(seq.request_id, None)
@@ -181,6 +210,12 @@ class EngineCore:
             if seq.sampler_row < 0:
                 seq.sampler_row = self.sampler.add(seq.params, seq.seed, seq.token_ids[:seq.num_prompt_tokens],
                                                    seq.output_ids)
+                if seq.suppress_ids:
+                    self.token_masks.set(seq.sampler_row, seq.suppress_ids)
+        if self.has_cross and sched.admitted:
+            # the encoder, once per admission (again after a preemption), batched over the step
+            self.encoder.encode([s.audio for s in sched.admitted],
+                                [self.cm.cross_slot(s.request_id) for s in sched.admitted])
         if sched.is_empty:
             return outputs
         self.num_steps += 1
@@ -198,6 +233,11 @@ class EngineCore:
             steps = [s.num_output_tokens for s in sampling]
             masked = [(b, list(s.stop_ids)) for b, s in enumerate(sampling)
                       if s.num_output_tokens < s.params.min_tokens and s.stop_ids]
+            if self.has_cross:
+                masked += [(b, list(s.begin_suppress_ids)) for b, s in enumerate(sampling)
+                           if s.num_output_tokens == 0 and s.begin_suppress_ids]
+            if self.token_masks.active:
+                self.token_masks.apply(logits, [s.sampler_row for s in sampling])
             result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
 
         # bookkeeping: computed lengths, prefix-cache commits
@@ -256,7 +296,9 @@ class EngineCore:
             prefill_starts=[r.start for r in prefill], prefill_ends=[r.end for r in prefill],
             prefill_pages=p_pages, prefill_slots=p_slots,
             prefill_samples=[r.samples for r in prefill],
-            snapshots=snapshots)
+            snapshots=snapshots,
+            decode_cross=[cm.cross_slot(s.request_id) for s in decode] if self.has_cross else None,
+            prefill_cross=[cm.cross_slot(r.seq.request_id) for r in prefill] if self.has_cross else None)
 
     # ======================================================================================
     # introspection
@@ -281,6 +323,10 @@ class EngineCore:
             "max_model_len": self.max_model_len,
             "page_size": self.page_size,
         }
+        if self.has_cross:
+            d["cross_slots_total"] = cs.cross_slots_total
+            d["cross_slots_free"] = cs.cross_slots_free
+            d.update(self.encoder.stats())
         for f in fields(cs):
             if f.name.startswith(("prefix_", "snapshot_", "offloaded_", "cached_snapshots")):
                 d[f.name] = getattr(cs, f.name)

@@ -67,7 +67,7 @@ def _engine_info(engine: Any) -> dict[str, Any]:
     if isinstance(eos, int):
         eos = (eos,)
     info["eos_token_ids"] = tuple(int(t) for t in eos)
-    for name in ("vocab_size", "device", "dtype", "model_name"):
+    for name in ("vocab_size", "device", "dtype", "model_name", "is_encoder_decoder"):
         v = getattr(engine, name, None)
         if v is not None:
             info[name] = v if isinstance(v, (int, float, str)) else str(v)

@@ -71,6 +71,62 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         return self._run(prompts, plist, use_tqdm)
 
+    # --- speech recognition (encoder-decoder models: Whisper) --------------------------------
+    def transcribe(self, audio, language: str | None = None, task: str = "transcribe", prompt: str | None = None,
+                   temperature: float = 0.0, max_tokens: int | None = None, *, min_tokens: int = 0,
+                   ignore_eos: bool = False, verbose: bool = False, max_seconds: float | None = None):
+        """Transcribe (or translate) one audio clip: file bytes / a binary file object
+        (WAV, FLAC, OGG, MP3...) or 16 kHz mono samples. Audio longer than 30 s runs as
+        consecutive 30 s windows, decoded in parallel, texts joined. Returns the text, or
+        with verbose=True OpenAI's verbose_json dict (language, duration, one segment per
+        window with start / end / tokens). language None: detected from the first window.
+        Forced output length (benchmarks): max_tokens with ignore_eos=True (or min_tokens)."""
+        from mstar.models.audio import DEFAULT_MAX_SECONDS
+        from mstar.runtime.transcribe import TranscriptionPlan, detection_request, language_of, whisper_tokens
+        eng = self.engine
+        if not getattr(eng, "is_encoder_decoder", False):
+            raise RequestError("model", f"{self.config.model} is not a speech-recognition (Whisper) model")
+        if getattr(self, "_wtokens", None) is None:
+            self._wtokens = whisper_tokens(eng.vocab_size, self.tokenizer)
+        plan = TranscriptionPlan.build(self._wtokens, self.tokenizer, audio, language=language, task=task,
+                                       prompt=prompt, temperature=temperature, max_tokens=max_tokens,
+                                       min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=verbose,
+                                       max_seconds=DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds)
+        base = f"asr-{next(self._ids)}"
+        if plan.needs_detection:
+            (ids,), _ = self._run_requests([detection_request(base + "-lang", plan.tokens, plan.windows[0])])
+            plan.language = language_of(plan.tokens, ids[0])
+        outs, lps = self._run_requests(plan.requests(base))
+        body = plan.result(self.tokenizer, outs, lps if verbose else None)
+        return body if verbose else body["text"]
+
+    def _run_requests(self, reqs: list[EngineRequest]) -> tuple[list[list[int]], list[list[float]]]:
+        """Run engine requests to completion: (token ids, sampled-token logprobs) per request."""
+        eng = self.engine
+        toks: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        lps: dict[str, list[float]] = {r.request_id: [] for r in reqs}
+        done: set[str] = set()
+        added: list[str] = []
+        try:
+            for r in reqs:
+                eng.add_request(r)
+                added.append(r.request_id)
+            while len(done) < len(reqs) and eng.has_unfinished():
+                for o in eng.step():
+                    if o.request_id not in toks:
+                        continue
+                    toks[o.request_id] += o.new_token_ids
+                    if o.new_logprobs:
+                        lps[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+                    if o.finished:
+                        done.add(o.request_id)
+        except BaseException:
+            eng.abort([r for r in added if r not in done])
+            while eng.has_unfinished() and not eng.num_unfinished():
+                eng.step()
+            raise
+        return [toks[r.request_id] for r in reqs], [lps[r.request_id] for r in reqs]
+
     # --- the loop --------------------------------------------------------------------------
     def _run(self, ids: list[list[int]], plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         eng, proc = self.engine, self.processor

@@ -125,6 +125,13 @@ class EngineRequest:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
+    # encoder-decoder models (Whisper): the encoder input of this sequence, one 16 kHz mono
+    # window (1-D float32, <= 30 s) or its log-mel features [n_mels, 3000]; None for LLMs
+    audio: Any = None
+    # ids never to sample (None: the model's default, Whisper: checkpoint list + timestamps)
+    # and ids not to sample as the first generated token (None: the model's default)
+    suppress_token_ids: Sequence[int] | None = None
+    begin_suppress_token_ids: Sequence[int] | None = None
 
 
 @dataclass

@@ -48,6 +48,7 @@ class Sampler:
         # host mirrors of what decides the per-step path
         self._uses_penalty = np.zeros(max_rows, dtype=bool)
         self._num_logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: no logprobs
+        self._greedy = np.zeros(max_rows, dtype=bool)
         self._free = list(range(max_rows - 1, -1, -1))
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
@@ -69,6 +70,7 @@ class Sampler:
                or params.frequency_penalty != 0.0)
         self._uses_penalty[row] = pen
         self._num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self._greedy[row] = params.temperature <= 0
         if pen:
             self._ensure_penalty_tensors()
             self.prompt_mask[row].zero_()
@@ -140,8 +142,11 @@ class Sampler:
 
         nlp = self._num_logprobs[rows_np]
         n_top = int(nlp.max()) if B else -1
-        tokens, tok_lp, top_ids, top_lp = ops.sample(
-            logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t, max(n_top, 0))
+        if self._greedy[rows_np].all():  # no sort over the vocabulary for an all-greedy batch
+            tokens, tok_lp, top_ids, top_lp = ops.greedy_sample(logits, max(n_top, 0))
+        else:
+            tokens, tok_lp, top_ids, top_lp = ops.sample(
+                logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t, max(n_top, 0))
 
         if pen.any():
             b_idx = torch.from_numpy(np.nonzero(pen)[0]).to(self.device, non_blocking=True)

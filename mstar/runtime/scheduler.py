@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from mstar.runtime.request import SamplingParams
 
@@ -55,6 +56,11 @@ class Sequence:
     in_cache: bool = False  # the cache manager holds something for it (slot, pages, offload)
     offloaded: bool = False
     sampler_row: int = -1
+    # encoder-decoder models: the encoder input (re-encoded at every admission) and the
+    # token-suppression lists (every step / first generated token)
+    audio: Any = None
+    suppress_ids: tuple[int, ...] = ()
+    begin_suppress_ids: tuple[int, ...] = ()
 
     @property
     def num_output_tokens(self) -> int:

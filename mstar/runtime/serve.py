@@ -104,6 +104,8 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                         "request until there is room (or the client goes away).")
     s.add_argument("--max-body-bytes", type=_positive_int, default=32 * 1024 * 1024,
                    help="Largest request body accepted (bytes); larger ones get 413.")
+    s.add_argument("--max-audio-seconds", type=float, default=1800.0,
+                   help="Longest audio accepted by /v1/audio/transcriptions (Whisper models); longer is a 400.")
     s.add_argument("--drain-timeout", type=float, default=300.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before cancelling them.")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
@@ -211,7 +213,7 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     names = args.served_model_name or [args.model]
     settings = ServerSettings(model=args.model, served_model_names=names, api_key=args.api_key,
                               max_pending=args.max_pending, overload_policy=args.overload_policy,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, max_audio_seconds=args.max_audio_seconds)
     app = build_app(settings, engine, tokenizer)
     uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=(args.log_level or "info"),
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.drain_timeout,

@@ -1,0 +1,155 @@
+"""Tensor-parallel state of this process and the sharding arithmetic of the models.
+
+A tensor-parallel run has one process per rank; the runtime calls `set_tp(rank, size,
+group)` in each before it builds the model, and the model's layers read `tp_rank()` /
+`tp_size()` once, at construction, to size their shards:
+
+  * column-parallel linears (q/k/v, gate/up, GDN in_proj_*) keep a contiguous block of
+    heads (or intermediate features) of every fused part, so the checkpoint's tensors
+    load unchanged, each rank reading only its slice (layers.ShardInfo);
+  * row-parallel linears (o_proj, out_proj, down_proj) keep the matching input columns
+    and all-reduce their output: exactly one all-reduce after each mixer and each MLP;
+  * the embedding and the LM head are split over the vocabulary (padded to a multiple
+    of the world size): the embedding masks ids outside its range and all-reduces, the
+    head all-gathers the logits;
+  * KV heads: split when tp divides them, replicated (rank r keeps KV head
+    r // (tp / num_kv_heads)) when num_kv_heads divides tp; anything else is refused.
+
+With tp = 1 (the default, and every process that never calls set_tp) the layers build
+exactly the tensors and run exactly the code of the single-device model: no
+collective, no extra op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPState:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup (None: the default group)
+
+
+_STATE = TPState()
+
+
+def set_tp(rank: int, size: int, group: Any = None) -> None:
+    """Make this process rank `rank` of `size` (torch.distributed must be initialised when size > 1)."""
+    global _STATE
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"tensor parallel: bad rank {rank} of {size}")
+    _STATE = TPState(int(rank), int(size), group)
+
+
+def reset_tp() -> None:
+    set_tp(0, 1, None)
+
+
+def get_tp() -> TPState:
+    return _STATE
+
+
+def tp_rank() -> int:
+    return _STATE.rank
+
+
+def tp_size() -> int:
+    return _STATE.size
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Build unsharded modules inside this block (e.g. the full model of a tiny preset)."""
+    global _STATE
+    saved = _STATE
+    _STATE = TPState()
+    try:
+        yield
+    finally:
+        _STATE = saved
+
+
+# --- collectives (only called when size > 1) ------------------------------------------------------
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place; returns x."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+    dist.all_reduce(x, group=_STATE.group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's x along the last dim (rank order)."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x, group=_STATE.group)
+    return torch.cat(parts, dim=-1)
+
+
+# --- sharding arithmetic --------------------------------------------------------------------------
+def divide(n: int, size: int, what: str) -> int:
+    if n % size:
+        raise ValueError(f"tensor parallel size {size} must divide {what} ({n})")
+    return n // size
+
+
+def block(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    """(start, length) of rank's contiguous block of n items split evenly."""
+    k = divide(n, size, what)
+    return rank * k, k
+
+
+def kv_heads(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, number of KV heads) a rank keeps: split when size divides them,
+    one replicated head per rank when num_kv_heads divides size."""
+    if num_kv_heads % size == 0:
+        k = num_kv_heads // size
+        return rank * k, k
+    if size % num_kv_heads == 0:
+        return rank // (size // num_kv_heads), 1
+    raise ValueError(f"tensor parallel size {size} must divide num_key_value_heads ({num_kv_heads}) "
+                     f"or be a multiple of it")
+
+
+def vocab_block(vocab: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(start, valid rows, padded rows per rank) of the vocabulary split."""
+    per = -(-vocab // size)
+    start = min(rank * per, vocab)
+    return start, min(per, vocab - start), per
+
+
+def check_config(config, size: int) -> None:
+    """ValueError naming the offending head count when `size` cannot split the model."""
+    if size == 1:
+        return
+    problems = []
+    mt = getattr(config, "model_type", "")
+    if mt not in ("qwen3_5_text", "qwen3_5", "qwen3"):
+        raise ValueError(f"tp: tensor parallelism supports Qwen3.5 and Qwen3 models, not {mt!r}")
+    h = config.num_attention_heads
+    kv = config.num_key_value_heads
+    if h % size:
+        problems.append(f"num_attention_heads ({h})")
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads ({kv}; or be a multiple of it)")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate_size ({config.intermediate_size})")
+    if mt.startswith("qwen3_5"):
+        types = set(getattr(config, "layer_types", ()) or ())
+        if "linear_attention" in types:
+            if config.linear_num_key_heads % size:
+                problems.append(f"linear_num_key_heads ({config.linear_num_key_heads}, the GDN key heads)")
+            if config.linear_num_value_heads % size:
+                problems.append(f"linear_num_value_heads ({config.linear_num_value_heads}, the GDN value heads)")
+    if problems:
+        raise ValueError(f"tp: tensor parallel size {size} must divide " + ", ".join(problems))
