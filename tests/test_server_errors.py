@@ -348,3 +348,10 @@ def test_cli_help_explains_every_flag(capsys):
     assert e.value.code == 0
     assert "usage: mstar serve" in capsys.readouterr().out
     assert cli.main(["nonsense"]) == 2
+
+
+def test_transcriptions_on_an_llm_server(server):
+    r = httpx.post(server.url + "/v1/audio/transcriptions", headers=AUTH, data={"model": MODEL},
+                   files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")}, timeout=30)
+    err = _check_error(r, 400, param="model", code="unsupported_endpoint")
+    assert "not a speech-recognition model" in err["message"]

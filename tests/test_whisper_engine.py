@@ -96,11 +96,13 @@ def test_engine_tokens_match_hf_generate(model_and_tok, waves, hf_ref, language,
     assert_no_leaks(core)
 
 
-def test_features_input_and_preemption_reencode(model_and_tok, waves, hf_ref):
-    """Few pages: sequences are preempted, lose their cross slot and are encoded again on
-    re-admission; tokens stay equal to HF. Log-mel features work as the audio input too."""
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
+def test_features_input_and_preemption_reencode(model_and_tok, waves, hf_ref, mode):
+    """Few pages: sequences are preempted (recomputed or offloaded), lose their cross slot
+    and are encoded again on re-admission; tokens stay equal to HF. Log-mel features work as
+    the audio input too."""
     from mstar.models.audio import log_mel_spectrogram
-    core = make_engine(model_and_tok, num_pages=9, max_num_seqs=4)
+    core = make_engine(model_and_tok, num_pages=9, max_num_seqs=4, preemption_mode=mode)
     prompt = TOK.decoder_prompt("en")
     feats = log_mel_spectrogram([torch.from_numpy(w) for w in waves], n_mels=128)
     reqs = {0: [EngineRequest(f"p{i}", prompt, forced(), audio=feats[i] if i % 2 else waves[i]) for i in range(4)]}
@@ -195,3 +197,41 @@ def test_llm_transcribe_windows_detection_and_verbose(model_and_tok, waves, hf_r
     with pytest.raises(ValueError, match="language"):
         llm.transcribe(waves[0], language="klingon")
     assert_no_leaks(llm.engine)
+
+
+def test_cache_manager_cross_slots():
+    """The cross slot pool alone: admission needs a slot, free / offload give it back,
+    reload / fork take one (fork copies the K/V), no prefix caching, check() sees leaks."""
+    from mstar.models.context import AttentionLayerSpec, CacheSpec, CrossAttentionSpec
+    from mstar.runtime.cache_manager import CacheManager
+    a = AttentionLayerSpec(2, 4)
+    spec = CacheSpec(attention=(a, a), cross=CrossAttentionSpec(layers=(a, a), max_source_len=6))
+    cm = CacheManager(spec, num_pages=16, page_size=4, num_slots=0, dtype=torch.float32, device="cpu",
+                      num_cross_slots=2)
+    assert [tuple(c.shape) for c in cm.caches.cross_k_caches] == [(2, 6, 2, 4)] * 2
+    prompt = list(range(9))
+    assert cm.admit("a", prompt) == 0 and cm.admit("b", prompt) == 0
+    assert {cm.cross_slot("a"), cm.cross_slot("b")} == {0, 1}
+    assert cm.admit("c", prompt) is None and not cm.can_admit(1)  # no cross slot left
+    assert cm.ensure_capacity("a", 9)
+    cm.commit("a", prompt, 9)
+    assert cm.stats().cached_pages == 0  # prefix cache off for encoder-decoder models
+    cm.free("b")
+    cm.caches.cross_k_caches[0][cm.cross_slot("a")].fill_(3.0)
+    assert cm.fork("a", "a2") and cm.caches.cross_k_caches[0][cm.cross_slot("a2")].eq(3.0).all()
+    assert not cm.fork("a", "a3")
+    cm.offload("a")
+    assert cm.cross_slot("a") == -1 and cm.stats().cross_slots_free == 1
+    cm.check()
+    assert cm.admit("c", prompt) == 0
+    assert not cm.reload("a")  # both slots taken
+    cm.free("c")
+    assert cm.reload("a") and cm.cross_slot("a") >= 0
+    cm.check()
+    for r in ("a", "a2"):
+        cm.free(r)
+    s = cm.stats()
+    assert s.cross_slots_free == s.cross_slots_total == 2 and s.free_pages == 16
+    cm.check()
+    with pytest.raises(ValueError, match="num_cross_slots"):
+        CacheManager(spec, num_pages=4, page_size=4, num_slots=0, dtype=torch.float32, device="cpu")

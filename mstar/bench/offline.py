@@ -26,7 +26,7 @@ def run(args) -> list[dict]:
     for c in args.concurrency:
         llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                   max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
-                  enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp)
         vocab = llm.engine.model.config.vocab_size
         n = args.num_prompts or max(4 * c, 64)
         g = torch.Generator().manual_seed(args.seed)
@@ -43,7 +43,7 @@ def run(args) -> list[dict]:
         dt = time.perf_counter() - t0
         out_tokens = sum(len(o.token_ids) for o in outs)
         assert all(len(o.token_ids) == args.output_len for o in outs), "fixed-length outputs expected"
-        rec = {"bench": "offline", "model": args.model, "tp": 1, "concurrency": c, "num_prompts": n,
+        rec = {"bench": "offline", "model": args.model, "tp": args.tp, "concurrency": c, "num_prompts": n,
                "input_len": args.input_len, "output_len": args.output_len,
                "output_tok_s": out_tokens / dt, "elapsed_s": dt,
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
@@ -52,6 +52,7 @@ def run(args) -> list[dict]:
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
         print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s)", flush=True)
         records.append(rec)
+        llm.close()  # tp > 1: stop the followers before the next engine
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -73,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=0, help="requests per point (default max(4c, 64))")
     ap.add_argument("--input-len", type=int, default=256, help="prompt length in tokens")
     ap.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (GPUs)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--out", default="notes/results/offline.jsonl", help="JSONL file to append records to ('' = none)")

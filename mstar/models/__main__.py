@@ -53,6 +53,10 @@ def info(name_or_dir: str, show_config: bool = True) -> str:
         f"{_human(spec.state_bytes_per_sequence(torch.bfloat16))} over {len(spec.state)} Gated DeltaNet layers",
         f"eos token ids: {list(model.eos_token_ids)}",
     ]
+    if getattr(spec, "cross", None) is not None:  # encoder-decoder (Whisper)
+        cb = _human(spec.cross_bytes_per_sequence(torch.bfloat16))
+        lines.insert(-1, f"cross-attention K/V per request (bf16): {cb} over {len(spec.cross.layers)} decoder "
+                         f"layers x {spec.cross.max_source_len} source positions")
     return "\n".join(lines)
 
 

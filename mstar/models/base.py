@@ -101,7 +101,8 @@ class DecoderLM(nn.Module):
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self._weight_map = None
         self._caches_bound = False
-        self.tp_size = parallel.tp_size()  # tensor parallel (parallel.py); 1: a single device
+        # tensor parallel (parallel.py), fixed at construction; 1: a single device
+        self.tp_size, self.tp_group = parallel.tp_size(), parallel.get_tp().group
 
     def _finish_init(self, rotary_dim: int, rope_theta: float) -> None:
         cfg = self.config
@@ -179,7 +180,7 @@ class DecoderLM(nn.Module):
             return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
         # vocab-parallel head: every rank computes its rows' logits; gather, drop the padding
         local = torch.nn.functional.linear(hidden, self.lm_head_weight())
-        return parallel.all_gather_last(local)[:, :self.config.vocab_size].float()
+        return parallel.all_gather_last(local, self.tp_size, self.tp_group)[:, :self.config.vocab_size].float()
 
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> dict:

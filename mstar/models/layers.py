@@ -188,14 +188,14 @@ class RowParallelLinear(Linear):
         size, rank = parallel.tp_size(), parallel.tp_rank()
         start, local = parallel.block(in_features, rank, size, "the input features of a row-parallel linear")
         super().__init__(local, out_features, bias)
-        self.tp_size = size
+        self.tp_size, self.tp_group = size, parallel.get_tp().group
         if size > 1:
             set_shard(self, "weight", (out_features, in_features), ((start, 0, local),), dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = parallel.all_reduce(F.linear(x, self.weight))
+        y = parallel.all_reduce(F.linear(x, self.weight), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -217,7 +217,7 @@ class VocabParallelEmbedding(Embedding):
         size, rank = parallel.tp_size(), parallel.tp_rank()
         start, valid, per = parallel.vocab_block(num_embeddings, rank, size)
         super().__init__(per if size > 1 else num_embeddings, dim)
-        self.tp_size = size
+        self.tp_size, self.tp_group = size, parallel.get_tp().group
         self.vocab_size = num_embeddings
         self.vocab_start, self.vocab_valid = start, valid
         if size > 1:
@@ -230,7 +230,7 @@ class VocabParallelEmbedding(Embedding):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_valid)
         h = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return parallel.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
+        return parallel.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0), self.tp_group)
 
 
 class ParallelLMHead(Linear):

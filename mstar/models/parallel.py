@@ -1,8 +1,8 @@
 """Tensor-parallel state of this process and the sharding arithmetic of the models.
 
-A tensor-parallel run has one process per rank; the runtime calls `set_tp(rank, size,
-group)` in each before it builds the model, and the model's layers read `tp_rank()` /
-`tp_size()` once, at construction, to size their shards:
+A tensor-parallel run has one process per rank; the runtime builds each rank's model
+inside `building(rank, size, group)` (followers may simply `set_tp`), and the layers read
+`tp_rank()` / `tp_size()` / the group once, at construction, to size their shards:
 
   * column-parallel linears (q/k/v, gate/up, GDN in_proj_*) keep a contiguous block of
     heads (or intermediate features) of every fused part, so the checkpoint's tensors
@@ -64,35 +64,40 @@ def tp_size() -> int:
 
 
 @contextlib.contextmanager
-def single_rank() -> Iterator[None]:
-    """Build unsharded modules inside this block (e.g. the full model of a tiny preset)."""
+def building(rank: int, size: int, group: Any = None) -> Iterator[None]:
+    """Models built inside this block are rank `rank` of `size`. Layers keep what they
+    read at construction, so a process may hold a sharded model (a tensor-parallel
+    engine's rank 0) and unsharded ones (a tp = 1 engine) side by side."""
     global _STATE
     saved = _STATE
-    _STATE = TPState()
+    set_tp(rank, size, group)
     try:
         yield
     finally:
         _STATE = saved
 
 
+def single_rank():
+    """Build unsharded modules inside this block (e.g. the full model of a tiny preset)."""
+    return building(0, 1, None)
+
+
 # --- collectives (only called when size > 1) ------------------------------------------------------
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place; returns x."""
-    if _STATE.size == 1:
-        return x
+# Layers call these only when their own tp size (read at construction) is > 1, with the
+# group they captured then.
+def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum over the group's ranks, in place; returns x."""
     import torch.distributed as dist
-    dist.all_reduce(x, group=_STATE.group)
+    dist.all_reduce(x, group=group)
     return x
 
 
-def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+def all_gather_last(x: torch.Tensor, size: int, group: Any = None) -> torch.Tensor:
     """Concatenate every rank's x along the last dim (rank order)."""
-    if _STATE.size == 1:
-        return x
     import torch.distributed as dist
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
-    dist.all_gather(parts, x, group=_STATE.group)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 

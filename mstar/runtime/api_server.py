@@ -14,6 +14,9 @@ error event on a stream), new ones a 503, and /health says so.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET /version, POST /tokenize and /detokenize (vLLM's shapes).
+A Whisper (encoder-decoder) model serves POST /v1/audio/transcriptions (and /translations) instead of the
+completion endpoints (multipart form, OpenAI's schema; transcribe.py): the audio is decoded
+and cut into 30 s windows here, each window is one engine sequence carrying its samples.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class ServerSettings:
     overload_policy: str = "reject"  # "reject" (503 + Retry-After) | "wait"
     max_body_bytes: int = 32 * 1024 * 1024
     retry_after_s: int = 1
+    max_audio_seconds: float = 1800.0  # /v1/audio/transcriptions: longer audio is a 400
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,6 +235,11 @@ class Server:
         self.max_model_len: int = info["max_model_len"]
         self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids", ()))
         self.vocab_size: int = int(info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else 0))
+        self.is_whisper = bool(info.get("is_encoder_decoder"))  # speech recognition: transcriptions only
+        self.whisper_tokens = None
+        if self.is_whisper:
+            from mstar.runtime.transcribe import whisper_tokens
+            self.whisper_tokens = whisper_tokens(self.vocab_size, tokenizer)
         self.seqs: dict[str, _Seq] = {}
         self.dead: str | None = None
         self.stopping = False
@@ -339,7 +348,7 @@ class Server:
 
     # -- submitting and aborting ---------------------------------------------------------------
     def submit(self, job: _Job, index: int, prompt_ids: list[int], params: SamplingParams,
-               arrival: float) -> None:
+               arrival: float, extra: dict | None = None) -> None:
         rid = f"{job.endpoint[:4]}-{uuid.uuid4().hex}"
         seq = _Seq(rid, index, job, len(prompt_ids), arrival)
         job.seqs.append(seq)
@@ -347,7 +356,7 @@ class Server:
         self.proc.add_request(rid, list(prompt_ids), params)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self.engine.add(EngineRequest(rid, list(prompt_ids), params, eos_token_ids=self.eos_token_ids,
-                                      arrival_time=time.time()))
+                                      arrival_time=time.time(), **(extra or {})))
 
     def abort_seqs(self, rids: list[str]) -> None:
         gone = []
@@ -529,6 +538,9 @@ class _ChoiceState:
 # ---------------------------------------------------------------------------------------
 # the app
 
+_AUDIO_ENDPOINTS = ("transcriptions", "translations")  # Whisper: multipart forms
+
+
 def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None) -> FastAPI:
     server = Server(settings, engine, tokenizer, output_processor)
 
@@ -569,6 +581,9 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_body(request: Request) -> dict:
+        return P.parse_json_body(await read_raw(request))
+
+    async def read_raw(request: Request) -> bytes:
         limit = settings.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None:
@@ -584,7 +599,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             if len(buf) > limit:
                 raise APIError(413, f"The request body exceeds the limit of {limit} bytes.",
                                code="request_too_large")
-        return P.parse_json_body(bytes(buf))
+        return bytes(buf)
 
     def check_model(model: str | None) -> str:
         if model is None:
@@ -645,7 +660,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         return p
 
     async def start_job(request: Request, endpoint: str, prompts: list[list[int]], params: list[SamplingParams],
-                        n: int) -> _Job:
+                        n: int, extras: list[dict] | None = None) -> _Job:
         job = _Job(server, endpoint, len(prompts) * n)
         await server.admission.acquire(job.n_admitted, request)
         arrival = request.state.arrival
@@ -653,7 +668,8 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             server.check_alive()
             for i, ids in enumerate(prompts):
                 for j in range(n):
-                    server.submit(job, i * n + j, ids, choice_params(params[i], j), arrival)
+                    server.submit(job, i * n + j, ids, choice_params(params[i], j), arrival,
+                                  extras[i] if extras else None)
         except BaseException as e:
             job.close("error" if not isinstance(e, APIError) or e.status >= 500 else "bad_request")
             if isinstance(e, APIError):
@@ -676,7 +692,8 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         try:
             check_auth(request)
             server.check_alive()
-            body = await read_body(request)
+            check_endpoint(endpoint)
+            body = await (read_form(request) if endpoint in _AUDIO_ENDPOINTS else read_body(request))
             return await prepare(request, body)
         except APIError as e:
             outcome = ("rejected" if e.code == "overloaded" else "error" if e.status >= 500 else "bad_request")
@@ -687,6 +704,17 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             if not e.counted:
                 server.metrics.requests.labels(endpoint, "aborted").inc()
             return Response(status_code=499)
+
+    def check_endpoint(endpoint: str) -> None:
+        name = settings.served_model_names[0]
+        if server.is_whisper and endpoint in ("completions", "chat"):
+            raise APIError(400, f"The model `{name}` is a speech-recognition model; it serves "
+                                "POST /v1/audio/transcriptions, not text completions.", param="model",
+                           code="unsupported_endpoint")
+        if endpoint in _AUDIO_ENDPOINTS and not server.is_whisper:
+            raise APIError(400, f"The model `{name}` is not a speech-recognition model; "
+                                f"/v1/audio/{endpoint} needs a Whisper model.", param="model",
+                           code="unsupported_endpoint")
 
     # -- /v1/completions ------------------------------------------------------------------------
     async def completions_impl(request: Request, body: dict):
@@ -929,7 +957,49 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": usage(states, req.n)})
 
+    # -- /v1/audio/transcriptions (Whisper) -------------------------------------------------------
+    from mstar.runtime import transcription_api as TA
+
+    read_form = TA.form_reader(read_raw)
+
+    async def run_job(request: Request, job: _Job, n: int) -> list[_ChoiceState]:
+        states = [_ChoiceState() for _ in range(n)]
+
+        async def collect():
+            async for i, u in job.events():
+                states[i].update(u)
+
+        try:
+            await _until_done_or_gone(request, collect())
+        except _ClientGone:
+            job.close("aborted")
+            raise _ClientGone(counted=True) from None
+        except APIError as e:
+            job.close("error" if e.status >= 500 else "bad_request")
+            e.counted = True
+            raise
+        except BaseException:
+            job.close("error")
+            raise
+        job.close("success")
+        return states
+
+    async def transcriptions_impl(request: Request, form):
+        return await TA.transcribe(server, settings, request, form, check_model, start_job, run_job)
+
+    async def translations_impl(request: Request, form):
+        return await TA.transcribe(server, settings, request, form, check_model, start_job, run_job,
+                                   task="translate")
+
     # -- routes ---------------------------------------------------------------------------------
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request):
+        return await handle(request, "transcriptions", transcriptions_impl)
+
+    @app.post("/v1/audio/translations")
+    async def translations(request: Request):
+        return await handle(request, "translations", translations_impl)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, "completions", completions_impl)

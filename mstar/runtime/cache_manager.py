@@ -193,6 +193,13 @@ class CacheManager:
         for cache in (*self.caches.conv_states, *self.caches.recurrent_states):
             cache[dst].copy_(cache[src])
 
+    # host copies: methods so that a tensor-parallel engine can mirror them on every rank
+    def _to_host(self, pages: list[int], slot: int | None) -> HostCopy:
+        return to_host(self.caches, pages, slot)
+
+    def _to_device(self, host: HostCopy, dst: list[int], rows: list[int], slot: int | None) -> None:
+        to_device(host, self.caches, dst, rows, slot)
+
     def _zero_state(self, slot: int) -> None:
         for cache in (*self.caches.conv_states, *self.caches.recurrent_states):
             cache[slot].zero_()
@@ -473,7 +480,7 @@ class CacheManager:
         release its device pages, slot and snapshot reservations."""
         r = self._active(req_id)
         used = r.pages[:self._pages_for(r.length)]
-        r.host = to_host(self.caches, used, r.slot)
+        r.host = self._to_host(used, r.slot)
         self._release_pages(r.pages)
         r.pages = []
         if r.slot is not None:
@@ -521,7 +528,7 @@ class CacheManager:
             r.slot = self._slots.allocate()
         if self.has_cross:
             r.cross = self._cross.allocate()
-        to_device(r.host, self.caches, dst, rows, r.slot)
+        self._to_device(r.host, dst, rows, r.slot)
         if self._uses_prefix():  # registered pages that had been evicted are cached again
             for i in rows:
                 if i < r.num_registered and self._prefix.get(r.keys[i]) is None:

@@ -37,7 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # prefill tokens per step
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # "recompute" | "offload"
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks, one device each (runtime/tp.py); must divide the head counts
     seed: int = 0
     # None: sized with the caches (hybrid models with prefix caching only)
     num_snapshot_slots: int | None = None
@@ -79,8 +79,6 @@ class EngineConfig:
             raise ValueError(f"dtype: must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str):
             raise ValueError(f"device: must be a string, got {self.device!r}")
-        if self.tp != 1:
-            raise ValueError("tp: tensor parallelism is not supported by this engine yet (tp=1)")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

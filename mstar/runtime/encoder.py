@@ -15,7 +15,8 @@ preempted or offloaded sequence loses its cross slot and is encoded again when i
 admitted again (its audio stays on the Sequence).
 
 Timing counters (`feature_s`, `encoder_s`, `num_encoded`) are cumulative; on CUDA they
-include a synchronisation per encoding step only when `timed` is set (benchmarks).
+come from CUDA events read back (without waiting) when `stats()` is called, so timing
+adds no synchronisation to the step loop.
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def whisper_suppress_defaults(model, name_or_dir: str | None) -> tuple[list[int]
 class CrossEncoder:
     """Runs the encoder for newly admitted sequences and fills their cross slots."""
 
-    def __init__(self, model, device: torch.device, *, timed: bool = False):
+    def __init__(self, model, device: torch.device):
         self.model = model
         self.device = torch.device(device)
         self.n_mels = int(getattr(model, "num_mel_bins", 0) or model.config.num_mel_bins)
-        self.timed = timed
+        self._cuda = self.device.type == "cuda"
+        self._pending: list[tuple] = []  # CUDA events of encodings not yet read back
         self.feature_s = 0.0
         self.encoder_s = 0.0
         self.num_encoded = 0
@@ -126,15 +128,18 @@ class CrossEncoder:
             return None
         return "expected a 1-D 16 kHz waveform window or [n_mels, 3000] log-mel features"
 
-    def _sync(self) -> None:
-        if self.timed and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _mark(self):
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
 
     def encode(self, audios: list, cross_slots: list[int]) -> None:
         from mstar.models.audio import log_mel_spectrogram
         if not audios:
             return
-        t0 = time.perf_counter()
+        t0 = self._mark()
         feats: list[torch.Tensor | None] = [None] * len(audios)
         waves = [i for i, a in enumerate(audios) if len(a.shape) == 1]
         if waves:
@@ -146,17 +151,25 @@ class CrossEncoder:
             if feats[i] is None:
                 feats[i] = torch.as_tensor(a, dtype=torch.float32).to(self.device, non_blocking=True)
         x = torch.stack(feats).to(self.model.dtype)
-        self._sync()
-        t1 = time.perf_counter()
+        t1 = self._mark()
         slots = torch.tensor(cross_slots, dtype=torch.long)
         self.model.encode(x, cross_slots=slots.to(self.device, non_blocking=True))
-        self._sync()
-        t2 = time.perf_counter()
-        self.feature_s += t1 - t0
-        self.encoder_s += t2 - t1
+        t2 = self._mark()
+        if self._cuda:
+            self._pending.append((t0, t1, t2))
+        else:
+            self.feature_s += t1 - t0
+            self.encoder_s += t2 - t1
         self.num_encoded += len(audios)
         self.num_calls += 1
 
+    def _collect(self) -> None:
+        while self._pending and self._pending[0][2].query():
+            e0, e1, e2 = self._pending.pop(0)
+            self.feature_s += e0.elapsed_time(e1) / 1e3
+            self.encoder_s += e1.elapsed_time(e2) / 1e3
+
     def stats(self) -> dict:
+        self._collect()
         return {"encoder_num_encoded": self.num_encoded, "encoder_num_calls": self.num_calls,
                 "encoder_feature_s": self.feature_s, "encoder_time_s": self.encoder_s}

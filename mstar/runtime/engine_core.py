@@ -47,6 +47,13 @@ class EngineCore:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        self.tp = None  # tensor parallel (tp.py): followers, plan broadcast; None when tp = 1
+        if config.tp > 1:
+            if model is not None:
+                raise ValueError("tp: a tensor-parallel engine loads its model itself (model= is tp=1 only)")
+            from mstar.runtime.tp import TensorParallel
+            self.tp = TensorParallel(config, self.device)
+            model = self.tp.load_model(config, self.dtype)
         if model is None:
             from mstar.models import load_model
             model = load_model(config.model, dtype=self.dtype, device=self.device,
@@ -62,18 +69,22 @@ class EngineCore:
         max_len = config.resolve_max_model_len(getattr(mcfg, "max_position_embeddings", None))
 
         spec = model.cache_spec()
-        sizes = size_caches(config, spec, self.dtype, self.device, max_len)
+        sizes = size_caches(config if self.tp is None else self.tp.sizing_config(config), spec, self.dtype,
+                            self.device, max_len)
         if spec.attention:
             # one sequence must always fit in the pool on its own
             max_len = min(max_len, sizes.num_pages * sizes.page_size)
         self.max_model_len = max_len
         self.cache_sizes = sizes
-        self.cm = CacheManager(spec, num_pages=sizes.num_pages, page_size=sizes.page_size,
-                               num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
-                               enable_prefix_cache=config.enable_prefix_caching,
-                               num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0,
-                               num_cross_slots=sizes.num_cross_slots)
+        make_cm = CacheManager if self.tp is None else self.tp.cache_manager  # tp: logs cache ops for followers
+        self.cm = make_cm(spec, num_pages=sizes.num_pages, page_size=sizes.page_size,
+                          num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
+                          enable_prefix_cache=config.enable_prefix_caching,
+                          num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0,
+                          num_cross_slots=sizes.num_cross_slots)
         model.bind_caches(self.cm.caches)
+        if self.tp is not None:
+            self.tp.attach(model)  # followers allocate the same caches
         self.page_size = sizes.page_size
         self.has_state = bool(spec.state)
         self.has_attention = bool(spec.attention)
@@ -91,9 +102,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.cm, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode)
-        self.inputs = StepInputBuilder(page_size=self.page_size, device=self.device,
-                                       has_attention=self.has_attention, has_state=self.has_state,
-                                       cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
+        make_inputs = StepInputBuilder if self.tp is None else self.tp.input_builder  # tp: sends the plan
+        self.inputs = make_inputs(page_size=self.page_size, device=self.device,
+                                  has_attention=self.has_attention, has_state=self.has_state,
+                                  cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []
@@ -339,6 +351,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.cm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel followers (no-op for tp = 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
 
 def _try_tokenizer(name: str):

@@ -127,6 +127,7 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
         if now - last_parent_check > IDLE_POLL_S:
             last_parent_check = now
             if parent is not None and not parent.is_alive():
+                _close(engine)
                 return
 
         errors = []
@@ -173,8 +174,19 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
             stats_dirty = False
         if outputs or errors or stats is not None:
             out_q.put(("step", outputs, errors, stats))
+    _close(engine)
     out_q.close()
     out_q.join_thread()
+
+
+def _close(engine: Any) -> None:
+    """Stop what the engine started (tensor-parallel followers) before the process exits."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 -- exiting anyway
+            logger.exception("engine close failed")
 
 
 class EngineStartError(RuntimeError):

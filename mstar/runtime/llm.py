@@ -27,6 +27,17 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's helper processes (tp > 1: the tensor-parallel followers; they
+        also stop when this process exits). The LLM is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # --- inputs ----------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

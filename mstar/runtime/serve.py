@@ -68,7 +68,8 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m.add_argument("--device", default="auto",
                    help="auto (the GPU if there is one, else CPU), cpu, cuda or cuda:N.")
     m.add_argument("--tp", type=_positive_int, default=1,
-                   help="Tensor-parallel degree (GPUs the model is split over; the engine runs tp=1 for now).")
+                   help="Tensor-parallel degree: GPUs the model is split over (one process per GPU, NCCL; "
+                        "gloo on CPU). Must divide the attention and GDN head counts.")
     m.add_argument("--seed", type=int, default=0,
                    help="Seed of the engine (random weights; requests without their own seed).")
     e = p.add_argument_group("engine")

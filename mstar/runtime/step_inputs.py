@@ -49,6 +49,8 @@ class StepInputBuilder:
                  cross_source_len: int = 0):
         self.page_size = page_size
         self.cross_source_len = cross_source_len  # > 0: the model has cross-attention (Whisper: 1500)
+        self._x_arange = np.zeros(0, dtype=np.int32)  # host arange / source lengths, grown on demand
+        self._x_last = np.zeros(0, dtype=np.int32)
         self.device = torch.device(device)
         self.has_attention = has_attention
         self.has_state = has_state
@@ -119,14 +121,21 @@ class StepInputBuilder:
         logits_idx = np.concatenate([np.arange(D, dtype=np.int64), D + qo_indptr[1:][samples] - 1])
         n_sample = int(logits_idx.shape[0])
 
-        # cross-attention: every token is its own one-page row over its sequence's cross slot
+        # cross-attention: every token is its own one-page row over its sequence's cross slot.
+        # Only the slots change with the batch; indptr (arange) and last-page lengths (the
+        # source length) stay on the host (context.py allows it), so a backend plans from
+        # them without reading the device.
         if self.cross_source_len:
             x_idx = np.repeat(np.asarray(list(rows.decode_cross or []) + list(rows.prefill_cross or []),
                                          dtype=np.int64), np.concatenate([np.ones(D, dtype=np.int64), p_qlen]))
-            x_indptr = np.arange(T + 1, dtype=np.int64)
-            x_last = np.full(T, self.cross_source_len, dtype=np.int64)
+            if len(self._x_arange) < T + 1:
+                n = max(T + 1, 2 * len(self._x_arange))
+                self._x_arange = np.arange(n, dtype=np.int32)
+                self._x_last = np.full(n, self.cross_source_len, dtype=np.int32)
+            h_xindptr = torch.from_numpy(self._x_arange[:T + 1])
+            h_xlast = torch.from_numpy(self._x_last[:T])
         else:
-            x_idx = x_indptr = x_last = np.zeros(0, dtype=np.int64)
+            x_idx = np.zeros(0, dtype=np.int64)
 
         snaps = rows.snapshots
         snap_idx = np.asarray([s[0] for s in snaps], dtype=np.int64)
@@ -136,13 +145,13 @@ class StepInputBuilder:
         i64_parts = [input_ids, positions, slot_mapping, logits_idx,
                      np.asarray(rows.decode_slots, dtype=np.int64),
                      np.asarray(rows.prefill_slots, dtype=np.int64), snap_idx, snap_slots]
-        i32_parts = [d_indptr, d_indices, d_last, qo_indptr, p_indptr, p_indices, p_last, x_indptr, x_idx, x_last]
+        i32_parts = [d_indptr, d_indices, d_last, qo_indptr, p_indptr, p_indices, p_last, x_idx]
         b64 = self._to_device(np.concatenate(i64_parts))
         b32 = self._to_device(np.concatenate(i32_parts).astype(np.int32))
         v64 = _split(b64, [len(a) for a in i64_parts])
         v32 = _split(b32, [len(a) for a in i32_parts])
         t_ids, t_pos, t_slotmap, t_logits, t_dslots, t_pslots, t_snapi, t_snaps = v64
-        t_dindptr, t_dind, t_dlast, t_qo, t_pindptr, t_pind, t_plast, t_xindptr, t_xidx, t_xlast = v32
+        t_dindptr, t_dind, t_dlast, t_qo, t_pindptr, t_pind, t_plast, t_xidx = v32
 
         attn = None
         if self.has_attention:
@@ -156,7 +165,7 @@ class StepInputBuilder:
                                   snap_token_idx=t_snapi, snap_slots=t_snaps)
         cross = None
         if self.cross_source_len:
-            cross = CrossAttentionMetadata(kv_indptr=t_xindptr, kv_indices=t_xidx, kv_last_page_len=t_xlast)
+            cross = CrossAttentionMetadata(kv_indptr=h_xindptr, kv_indices=t_xidx, kv_last_page_len=h_xlast)
         ctx = ForwardContext(input_ids=t_ids, positions=t_pos, num_decode_tokens=D, attn=attn, state=state,
                              logits_indices=t_logits, cross=cross)
         return ctx, n_sample

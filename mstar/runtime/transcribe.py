@@ -30,8 +30,14 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json")
 
 
 def whisper_tokens(vocab_size: int, tokenizer=None) -> WhisperTokens:
+    """The special-token layout of the vocabulary, checked against the tokenizer if any (a
+    tokenizer that disagrees is reported and the layout of the vocabulary size is used)."""
     if tokenizer is not None:
-        return WhisperTokens.from_tokenizer(tokenizer, vocab_size)
+        try:
+            return WhisperTokens.from_tokenizer(tokenizer, vocab_size)
+        except ValueError as e:
+            import logging
+            logging.getLogger("mstar.runtime").warning("%s; using the Whisper layout of vocab %d", e, vocab_size)
     return WhisperTokens.from_vocab_size(vocab_size)
 
 

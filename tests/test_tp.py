@@ -1,0 +1,366 @@
+"""Tensor parallelism on the CPU: gloo, one spawned follower process per extra rank, fp32,
+tiny random Qwen3.5 / Qwen3 checkpoints written by transformers. Tokens must equal tp=1's
+and HF generate's; prefix-cache hits, aborts and preemptions (offload and recompute)
+at tp=2; tp=4 end to end (KV heads replicated); the sharding arithmetic at tp=2/4/8 on
+the 9B / 27B shapes (meta tensors); the tp=1 path unchanged; follower errors surface on
+rank 0; no follower outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from engine_helpers import VOCAB, hf_greedy, model_dir, prompts, run_all
+from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
+from mstar.models import parallel
+from mstar.runtime.config import EngineConfig
+from mstar.runtime.request import EngineRequest, SamplingParams
+
+G32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PS = prompts(5, 2, 40, seed=77)  # different lengths, some over a page
+
+
+def _engine(kind_or_dir: str, tp: int, **opts):
+    from mstar.runtime.engine_core import EngineCore
+    opts.setdefault("dtype", "float32")
+    opts.setdefault("device", "cpu")
+    opts.setdefault("max_model_len", 256)
+    opts.setdefault("page_size", 8)
+    path = model_dir(kind_or_dir) if kind_or_dir in ("qwen3", "qwen3.5") else kind_or_dir
+    return EngineCore(EngineConfig(model=path, tp=tp, **opts))
+
+
+def _alive(core) -> list:
+    return [p for p in core.tp._procs if p.is_alive()]
+
+
+def _closed_cleanly(core) -> None:
+    procs = list(core.tp._procs)
+    core.close()
+    assert not any(p.is_alive() for p in procs)
+    assert parallel.tp_size() == 1
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def short_collective_timeout(monkeypatch):
+    """A bug that leaves a rank waiting fails the test in a minute, not in ten."""
+    from datetime import timedelta
+
+    from mstar.runtime import tp as tpmod
+    monkeypatch.setattr(tpmod, "COLLECTIVE_TIMEOUT", timedelta(seconds=60))
+
+
+def _greedy(core, ps, n=32, prefix="r"):
+    reqs = [EngineRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    got = run_all(core, reqs)
+    return [got[f"{prefix}{i}"][0] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_tp2(kind):
+    """One tp=2 engine: a batch equal to tp=1 and HF, a prefix-cache hit, an abort mid-run.
+    (One engine per test: a process holds one tensor-parallel group at a time.)"""
+    want = [hf_greedy(kind, p, 32) for p in PS]
+    tp1 = _engine(kind, 1, max_num_seqs=8)
+    assert _greedy(tp1, PS) == want
+    core = _engine(kind, 2, max_num_seqs=8)
+    try:
+        assert len(_alive(core)) == 1
+        assert _greedy(core, PS) == want
+        _check_prefix_hit(kind, core)
+        _check_abort(kind, core)
+    finally:
+        _closed_cleanly(core)
+
+
+def _check_prefix_hit(kind, core):
+    base = prompts(1, 30, 30, seed=5)[0]
+    a, b = base + [7, 8, 9], base + [11, 12]
+    before = core.cm.stats().prefix_hit_tokens
+    assert _greedy(core, [a], 12, "pa") == [hf_greedy(kind, a, 12)]
+    assert _greedy(core, [b], 12, "pb") == [hf_greedy(kind, b, 12)]
+    assert core.cm.stats().prefix_hit_tokens - before >= 24  # three full pages of 8 reused
+
+
+def _check_abort(kind, core):
+    p0, p1 = PS[1], PS[2]
+    core.add_request(EngineRequest("x", p0, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)))
+    core.add_request(EngineRequest("y", p1, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)))
+    toks = {"x": [], "y": []}
+    for _ in range(4):
+        for o in core.step():
+            toks[o.request_id].extend(o.new_token_ids)
+    core.abort(["x"])
+    fin = {}
+    while core.has_unfinished():
+        for o in core.step():
+            toks[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                fin[o.request_id] = o.finish_reason
+    assert fin == {"x": "abort", "y": "length"}
+    assert toks["y"] == hf_greedy(kind, p1, 20)
+    assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, p0, 30)[:len(toks["x"])]
+    core.cm.check()
+    # the engine (and the followers' caches) keep serving
+    assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_tp2_preemption(mode):
+    # 9 pages of 8 tokens: four sequences of up to 56 tokens cannot all stay resident
+    core = _engine("qwen3.5", 2, max_num_seqs=4, num_pages=12, max_model_len=64, preemption_mode=mode)
+    try:
+        ps = prompts(4, 10, 24, seed=9)
+        got = _greedy(core, ps, 32, "pre")
+        assert core.stats()["num_preemptions"] > 0
+        assert got == [hf_greedy("qwen3.5", p, 32) for p in ps]
+    finally:
+        _closed_cleanly(core)
+
+
+def test_tp2_offline_llm_and_embedded_preset():
+    # tiny-qwen3 preset: tied, vocab 259 (padded to 2 x 130), random weights drawn whole then sharded
+    from mstar.runtime.llm import LLM
+    ps = [[1, 2, 3, 4, 5], list(range(40, 80))]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM("tiny-qwen3", dtype="float32", device="cpu", max_model_len=128, tp=2) as llm:
+        got = [o.token_ids for o in llm.generate(ps, sp)]
+        procs = list(llm.engine.tp._procs)
+    assert not any(p.is_alive() for p in procs)
+    want = [o.token_ids for o in LLM("tiny-qwen3", dtype="float32", device="cpu", max_model_len=128).generate(ps, sp)]
+    assert got == want
+
+
+def test_invalid_tp_rejected():
+    # the test models have 4 attention heads and 2 KV heads: tp=3 divides neither
+    with pytest.raises(ValueError, match=r"tp: tensor parallel size 3 must divide num_attention_heads \(4\)"):
+        _engine("qwen3.5", 3)
+    # GDN heads: tiny-qwen3.5 has a single GDN key head
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(1"):
+        _engine("tiny-qwen3.5", 2)
+    with pytest.raises(ValueError, match="tp: must be a positive integer"):
+        EngineConfig(model="tiny-qwen3", tp=0)
+    import torch.distributed as dist
+    assert not dist.is_initialized() and parallel.tp_size() == 1
+
+
+@pytest.mark.parametrize("where", ["load", "step"])
+def test_follower_error_surfaces_on_rank0(where, monkeypatch):
+    from mstar.runtime import tp as tpmod
+    monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, where, 3))
+    if where == "load":
+        with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at load"):
+            _engine("qwen3", 2)
+        import torch.distributed as dist
+        assert not dist.is_initialized()
+        return
+    core = _engine("qwen3", 2)
+    try:
+        with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at step 3"):
+            _greedy(core, PS[:2], 8, "f")
+    finally:
+        _closed_cleanly(core)
+
+
+def test_engine_process_with_tp2():
+    """The server's engine process starts a tp=2 engine, serves, and leaves no follower behind."""
+    from mstar.runtime.engine_process import EngineProcess
+    cfg = EngineConfig(model=model_dir("qwen3"), dtype="float32", device="cpu", max_model_len=128, tp=2)
+    ep = EngineProcess(cfg)
+    ep.start()
+    try:
+        info = ep.wait_ready(timeout=120)
+        assert info["tp"] == 2
+        kids = _children(ep.pid)
+        assert len(kids) >= 1
+        ep.add(EngineRequest("s", PS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        toks, deadline = [], time.monotonic() + 60
+        while len(toks) < 8 and time.monotonic() < deadline:
+            msg = ep._out_q.get(timeout=30)
+            if msg[0] == "step":
+                for o in msg[1]:
+                    toks.extend(o.new_token_ids)
+        assert toks == hf_greedy("qwen3", PS[0], 8)
+    finally:
+        ep.shutdown()
+    assert not ep.is_alive() and ep.exitcode == 0
+    for pid in kids:
+        assert not _pid_alive(pid), f"follower {pid} outlived the engine"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- tp = 4 end to end ----------------------------------------------------------------------------
+def _tp4_dir(tmp_path_factory) -> str:
+    """Qwen3.5 whose heads split 4 ways: 4 q heads, 2 KV heads (replicated at tp=4), GDN 4 key / 8 value heads."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from mstar.models.tokenizer import byte_tokenizer
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=258)
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 8.0).log())
+            elif "norm" in name:
+                p.copy_((0.0 if "linear_attn.norm" not in name else 1.0) + 0.1 * torch.randn(p.shape))
+            else:
+                p.copy_(torch.randn(p.shape) * (1.0 if "embed" in name else p.shape[-1] ** -0.5))
+    path = str(tmp_path_factory.mktemp("tp4"))
+    m.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_tp4_tokens_equal_tp1(tmp_path_factory):
+    path = _tp4_dir(tmp_path_factory)
+    ps = PS[:3]
+    want = _greedy(_engine(path, 1), ps, 16)
+    core = _engine(path, 4)
+    try:
+        assert len(_alive(core)) == 3
+        assert _greedy(core, ps, 16) == want
+    finally:
+        _closed_cleanly(core)
+
+
+# --- sharding arithmetic at 2, 4, 8 (meta tensors, no processes) -----------------------------------
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3.5-27b", "qwen3-8b"])
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_sharding_covers_every_checkpoint_tensor(preset, size):
+    from mstar.models import build_model, resolve_config
+    cfg = resolve_config(preset)
+    full = build_model(cfg).expected_weights()
+    full_shapes = {k: s.shape for k, s in full.items()}
+    cover: dict[str, torch.Tensor] = {}
+    kv = cfg.num_key_value_heads
+    try:
+        for rank in range(size):
+            parallel.set_tp(rank, size)
+            m = build_model(cfg)
+            wm = m.expected_weights()
+            assert {k: s.shape for k, s in wm.items()} == full_shapes  # checkpoint names and shapes
+            for name, slot in wm.items():
+                sh = slot.shard
+                shape = full_shapes[name]
+                c = cover.setdefault(name, torch.zeros(shape[sh.dim] if sh else 1, dtype=torch.int32))
+                if sh is None:
+                    c += 1
+                    continue
+                for s, d, n in sh.pieces:
+                    assert d + n <= slot.target().shape[sh.dim]
+                    c[s:s + n] += 1
+            spec = m.cache_spec()
+            for a in spec.attention:
+                assert a.num_kv_heads == max(1, kv // size)
+            for st in spec.state:
+                assert st.num_heads == cfg.linear_num_value_heads // size
+        # every row / column of every tensor is held by exactly the expected number of ranks
+        for name, c in cover.items():
+            if name.endswith(("k_proj.weight", "v_proj.weight")) and size > kv:
+                assert torch.all(c == size // kv), name  # replicated KV heads
+            elif c.numel() == 1:
+                assert int(c) == size, name  # replicated (norms)
+            else:
+                assert torch.all(c == 1), name
+    finally:
+        parallel.reset_tp()
+
+
+def test_tp1_path_unchanged(monkeypatch):
+    """tp = 1 builds the plain tensors and calls no collective: the parallel layers run
+    exactly F.linear / F.embedding on the same weights."""
+    import torch.nn.functional as F
+
+    from mstar.models import build_model, resolve_config
+    from mstar.models import layers as L
+
+    def boom(*a, **k):
+        raise AssertionError("collective called at tp=1")
+
+    monkeypatch.setattr(parallel, "all_reduce", boom)
+    monkeypatch.setattr(parallel, "all_gather_last", boom)
+    assert parallel.tp_size() == 1
+    cfg = resolve_config(model_dir("qwen3.5"))
+    m = build_model(cfg, device="cpu")
+    m.init_random(0)
+    assert all(s.shard is None for s in m.expected_weights().values())
+    assert not any(getattr(mod, "tp_shards", None) for mod in m.modules())
+    x = torch.randn(5, cfg.hidden_size)
+    for mod in m.modules():
+        if isinstance(mod, L.RowParallelLinear):
+            xi = torch.randn(5, mod.weight.shape[1])
+            assert torch.equal(mod(xi), F.linear(xi, mod.weight, mod.bias))
+    ids = torch.tensor([0, 5, VOCAB - 1])
+    emb = m.model.embed_tokens
+    assert emb.weight.shape[0] == VOCAB and torch.equal(emb(ids), F.embedding(ids, emb.weight))
+    assert torch.equal(m.compute_logits(x), F.linear(x, m.lm_head.weight).float())
+    # and the engine at tp=1 starts no process and no group
+    core = _engine("qwen3.5", 1)
+    assert core.tp is None
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_one_all_reduce_per_mixer_and_mlp(kind, monkeypatch):
+    """A rank's forward: one all-reduce for the embedding, then exactly one after each mixer
+    and one after each MLP; one all-gather for the logits (collectives counted, not run)."""
+    from model_harness import Harness
+
+    from mstar.models import build_model, resolve_config
+    calls = {"reduce": 0, "gather": 0}
+
+    def reduce(x, group=None):
+        calls["reduce"] += 1
+        return x
+
+    def gather(x, size, group=None):
+        calls["gather"] += 1
+        return torch.cat([x] * size, dim=-1)
+
+    monkeypatch.setattr(parallel, "all_reduce", reduce)
+    monkeypatch.setattr(parallel, "all_gather_last", gather)
+    cfg = resolve_config(model_dir(kind))
+    with parallel.building(1, 2):
+        m = build_model(cfg, device="cpu")
+    assert parallel.tp_size() == 1  # the process is not sharded, only the model
+    m.init_random(0)
+    h = Harness(m, max_seqs=2, max_len=32, page_size=4)
+    h.step(prefill={0: [1, 2, 3, 4, 5]})
+    calls.update(reduce=0, gather=0)
+    h.step(decode={0: 6}, prefill={1: [7, 8, 9]})
+    assert calls == {"reduce": 1 + 2 * cfg.num_hidden_layers, "gather": 1}
