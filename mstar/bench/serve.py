@@ -446,7 +446,14 @@ def main(argv=None) -> int:
     levels, meta = run_hf(args) if args.backend == "hf" else run_openai(args)
     recs = make_records(args, levels, meta)
     print(f"{args.model}  in={args.input_len} out={args.output_len}  gpu={recs[0]['gpu']}  commit={recs[0]['commit']}")
-    print(format_table(recs))
+    report_records(recs, format_table(recs), args)
+    return 0
+
+
+def report_records(recs: list[dict], table: str, args) -> None:
+    """Print the table (and the records with --json); append them to
+    <results_dir>/<bench_name>.jsonl unless --no-record."""
+    print(table)
     if args.json:
         for r in recs:
             print(json.dumps(r))
@@ -457,7 +464,6 @@ def main(argv=None) -> int:
             for r in recs:
                 f.write(json.dumps(r) + "\n")
         print(f"appended {len(recs)} record(s) to {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import _REPO, git_commit, percentile
+from mstar.bench.serve import _REPO, git_commit, percentile, report_records
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
 
@@ -314,17 +314,7 @@ def main(argv=None) -> int:
         if launched is not None:
             launched.close()
     print(f"{args.model}  clip={args.clip_seconds:g}s out={args.output_len}  gpu={gpu}  commit={commit}")
-    print(format_table(recs))
-    if args.json:
-        for r in recs:
-            print(json.dumps(r))
-    if not args.no_record:
-        os.makedirs(args.results_dir, exist_ok=True)
-        path = os.path.join(args.results_dir, f"{args.bench_name}.jsonl")
-        with open(path, "a") as f:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")
-        print(f"appended {len(recs)} record(s) to {path}")
+    report_records(recs, format_table(recs), args)
     return 0 if all(r["failed"] == 0 for r in recs) else 1
 
 

@@ -478,41 +478,17 @@ def whisper_config_from_dir(path: str):
 
 def build_whisper(config, *, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "meta") -> WhisperForConditionalGeneration:
-    with torch.device("meta"):
-        model = WhisperForConditionalGeneration(config)
-    model = model.to(dtype)
-    if torch.device(device).type != "meta":
-        model.materialize(device)
-    model.requires_grad_(False)
-    model.eval()
-    return model
+    """`mstar.models.build_model` for a Whisper config (kept for its explicit name)."""
+    from mstar.models.loader import build_model
+    return build_model(config, dtype=dtype, device=device)
 
 
-def load_whisper(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 random_weights: bool = False, seed: int = 0,
-                 progress: bool = True) -> WhisperForConditionalGeneration:
-    """A Whisper checkpoint directory (HF format) or a preset of whisper_presets.py
-    (random weights only: pass random_weights=True)."""
-    from mstar.models import whisper_presets
-    from mstar.models.loader import iter_checkpoint
-    is_dir = os.path.isdir(name_or_dir)
-    if is_dir:
-        config = whisper_config_from_dir(name_or_dir)
-    else:
-        p = whisper_presets.get(name_or_dir)
-        if p is None:
-            raise ValueError(f"{name_or_dir!r} is neither a directory nor a Whisper preset "
-                             f"({', '.join(whisper_presets.names())})")
-        if not random_weights:
-            raise ValueError(f"preset {name_or_dir!r} has no weights here: pass the checkpoint directory, "
-                             f"or random_weights=True")
-        config = _with_max_positions(whisper_presets.make_config(p))
-    model = build_whisper(config, dtype=dtype, device=device)
-    if is_dir and not random_weights:
-        model.load_weights(iter_checkpoint(name_or_dir, device, progress, skip_prefixes=()))
-    else:
-        model.init_random(seed)
-    model.name_or_path = name_or_dir
+def load_whisper(name_or_dir: str, **kwargs) -> WhisperForConditionalGeneration:
+    """`mstar.models.load_model` that insists on a Whisper checkpoint or preset."""
+    from mstar.models.loader import load_model
+    model = load_model(name_or_dir, **kwargs)
+    if not isinstance(model, WhisperForConditionalGeneration):
+        raise ValueError(f"{name_or_dir!r} is not a Whisper model ({type(model).__name__})")
     return model
 
 

@@ -717,6 +717,49 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                            code="unsupported_endpoint")
 
     # -- /v1/completions ------------------------------------------------------------------------
+    async def collect_job(request: Request, job: _Job, states: list[_ChoiceState]) -> None:
+        """Fold a non-streamed job's updates into `states`; the job is closed with its outcome
+        (a client that goes away aborts it at once)."""
+        async def collect():
+            async for i, u in job.events():
+                states[i].update(u)
+
+        try:
+            await _until_done_or_gone(request, collect())
+        except _ClientGone:
+            job.close("aborted")
+            raise _ClientGone(counted=True) from None
+        except APIError as e:
+            job.close("error" if e.status >= 500 else "bad_request")
+            e.counted = True
+            raise
+        except BaseException:
+            job.close("error")
+            raise
+        job.close("success")
+
+    def stream_job(job: _Job, chunks) -> SSEResponse:
+        """SSE response over `chunks` (an async iterator of events): always ends with [DONE],
+        an engine error becomes an error event, and the job is closed with its outcome."""
+        async def events():
+            outcome = "error"
+            try:
+                async for ev in chunks:
+                    yield ev
+                outcome = "success"
+                yield _DONE
+            except APIError as e:
+                outcome = "error" if e.status >= 500 else "bad_request"
+                yield _sse(e.body())
+                yield _DONE
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "aborted"
+                raise
+            finally:
+                job.close(outcome)
+
+        return SSEResponse(events(), on_close=lambda: job.close("aborted"))
+
     async def completions_impl(request: Request, body: dict):
         req = P.parse_completion(body)
         model = check_model(req.model)
@@ -770,62 +813,34 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             return c
 
         if req.stream:
+            offsets = [0] * n_choices
+
             async def events():
-                outcome = "error"
-                offsets = [0] * n_choices
-                try:
-                    async for i, delta, new_ids, new_lp, fin in job.merged(states):
-                        st = states[i]
-                        if not (delta or new_ids or fin):
-                            continue
-                        if req.echo and not st.started:
-                            delta = echo_text(i) + delta
-                        c = {"index": i, "text": delta,
-                             "logprobs": lp_block(st, new_ids, new_lp, offsets[i]),
-                             "finish_reason": st.finish_reason}
-                        offsets[i] += len(delta)
-                        c = choice_extra(c, st, i, new_ids)
-                        st.started = True
-                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [c]}
-                        if req.stream_options.include_usage:
-                            chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
-                                else None
-                        yield _sse(chunk)
+                async for i, delta, new_ids, new_lp, fin in job.merged(states):
+                    st = states[i]
+                    if not (delta or new_ids or fin):
+                        continue
+                    if req.echo and not st.started:
+                        delta = echo_text(i) + delta
+                    c = {"index": i, "text": delta,
+                         "logprobs": lp_block(st, new_ids, new_lp, offsets[i]),
+                         "finish_reason": st.finish_reason}
+                    offsets[i] += len(delta)
+                    c = choice_extra(c, st, i, new_ids)
+                    st.started = True
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [c]}
                     if req.stream_options.include_usage:
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [], "usage": usage(states, req.n)})
-                    outcome = "success"
-                    yield _DONE
-                except APIError as e:
-                    outcome = "error" if e.status >= 500 else "bad_request"
-                    yield _sse(e.body())
-                    yield _DONE
-                except (asyncio.CancelledError, GeneratorExit):
-                    outcome = "aborted"
-                    raise
-                finally:
-                    job.close(outcome)
+                        chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
+                            else None
+                    yield _sse(chunk)
+                if req.stream_options.include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": usage(states, req.n)})
 
-            return SSEResponse(events(), on_close=lambda: job.close("aborted"))
+            return stream_job(job, events())
 
-        async def collect():
-            async for i, u in job.events():
-                states[i].update(u)
-
-        try:
-            await _until_done_or_gone(request, collect())
-        except _ClientGone:
-            job.close("aborted")
-            raise _ClientGone(counted=True) from None
-        except APIError as e:
-            job.close("error" if e.status >= 500 else "bad_request")
-            e.counted = True
-            raise
-        except BaseException:
-            job.close("error")
-            raise
-        job.close("success")
+        await collect_job(request, job, states)
         choices = []
         for i, st in enumerate(states):
             prefix = echo_text(i) if req.echo else ""
@@ -888,65 +903,36 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
 
         if req.stream:
             async def events():
-                outcome = "error"
-                try:
-                    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-                    use_usage = req.stream_options.include_usage
-                    for i in range(req.n):
-                        c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}
-                        if req.return_token_ids:
-                            c["prompt_token_ids"] = ids
-                        chunk = dict(base, choices=[c])
-                        if use_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                    async for i, delta, new_ids, new_lp, fin in job.merged(states):
-                        st = states[i]
-                        if not (delta or new_ids or fin):
-                            continue
-                        c = {"index": i, "delta": {"content": delta} if (delta or not fin) else {},
-                             "logprobs": {"content": lp_content(new_ids, new_lp)} if req.logprobs else None,
-                             "finish_reason": st.finish_reason}
-                        c = choice_extra(c, st, new_ids)
-                        chunk = dict(base, choices=[c])
-                        if use_usage:
-                            chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
-                                else None
-                        yield _sse(chunk)
+                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+                use_usage = req.stream_options.include_usage
+                for i in range(req.n):
+                    c = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                    if req.return_token_ids:
+                        c["prompt_token_ids"] = ids
+                    chunk = dict(base, choices=[c])
                     if use_usage:
-                        yield _sse(dict(base, choices=[], usage=usage(states, req.n)))
-                    outcome = "success"
-                    yield _DONE
-                except APIError as e:
-                    outcome = "error" if e.status >= 500 else "bad_request"
-                    yield _sse(e.body())
-                    yield _DONE
-                except (asyncio.CancelledError, GeneratorExit):
-                    outcome = "aborted"
-                    raise
-                finally:
-                    job.close(outcome)
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                async for i, delta, new_ids, new_lp, fin in job.merged(states):
+                    st = states[i]
+                    if not (delta or new_ids or fin):
+                        continue
+                    c = {"index": i, "delta": {"content": delta} if (delta or not fin) else {},
+                         "logprobs": {"content": lp_content(new_ids, new_lp)} if req.logprobs else None,
+                         "finish_reason": st.finish_reason}
+                    c = choice_extra(c, st, new_ids)
+                    chunk = dict(base, choices=[c])
+                    if use_usage:
+                        chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
+                            else None
+                    yield _sse(chunk)
+                if use_usage:
+                    yield _sse(dict(base, choices=[], usage=usage(states, req.n)))
 
-            return SSEResponse(events(), on_close=lambda: job.close("aborted"))
+            return stream_job(job, events())
 
-        async def collect():
-            async for i, u in job.events():
-                states[i].update(u)
-
-        try:
-            await _until_done_or_gone(request, collect())
-        except _ClientGone:
-            job.close("aborted")
-            raise _ClientGone(counted=True) from None
-        except APIError as e:
-            job.close("error" if e.status >= 500 else "bad_request")
-            e.counted = True
-            raise
-        except BaseException:
-            job.close("error")
-            raise
-        job.close("success")
+        await collect_job(request, job, states)
         choices = []
         for i, st in enumerate(states):
             c = {"index": i, "message": {"role": "assistant", "content": st.text},
@@ -964,24 +950,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
 
     async def run_job(request: Request, job: _Job, n: int) -> list[_ChoiceState]:
         states = [_ChoiceState() for _ in range(n)]
-
-        async def collect():
-            async for i, u in job.events():
-                states[i].update(u)
-
-        try:
-            await _until_done_or_gone(request, collect())
-        except _ClientGone:
-            job.close("aborted")
-            raise _ClientGone(counted=True) from None
-        except APIError as e:
-            job.close("error" if e.status >= 500 else "bad_request")
-            e.counted = True
-            raise
-        except BaseException:
-            job.close("error")
-            raise
-        job.close("success")
+        await collect_job(request, job, states)
         return states
 
     async def transcriptions_impl(request: Request, form):
