@@ -94,6 +94,14 @@ KNOBS: tuple[Knob, ...] = (
          minimum=1),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
+    # --- diagnostics -----------------------------------------------------------------------
+    Knob("MSTAR_PHASE_TIMING", "bool", False,
+         "Record per-step phase times (schedule, prepare, plan, forward, logits, sample, output, idle gap "
+         "between steps) as JSON lines to MSTAR_PHASE_LOG; summarise with notes/tools/phase_idle.py. "
+         "On CUDA it synchronizes after the forward and the logits (off: no timing code, no syncs)."),
+    Knob("MSTAR_PHASE_LOG", "str", "phase_timing.jsonl",
+         "Where MSTAR_PHASE_TIMING appends its JSON lines (relative paths: the working directory). "
+         "Empty: stderr."),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -32,6 +32,7 @@ import torch
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
 from mstar.runtime.encoder import CrossEncoder, TokenMasks, whisper_suppress_defaults
+from mstar.runtime.phase_timing import from_knobs as _phase_timer
 from mstar.runtime.request import CoreOutput, EngineRequest, RequestError, SamplingParams
 from mstar.runtime.sampler import Sampler
 from mstar.runtime.scheduler import PrefillRow, Scheduler, Sequence
@@ -114,6 +115,9 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        # MSTAR_PHASE_TIMING: per-step phase times (phase_timing.py); None (the default) costs
+        # one `is not None` test per phase boundary and no clock or sync
+        self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
@@ -208,6 +212,9 @@ class EngineCore:
     # ======================================================================================
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
+        pt = self.phase_timer
+        if pt is not None:
+            pt.start()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
@@ -231,10 +238,16 @@ class EngineCore:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        if pt is not None:
+            pt.mark(1)
 
         rows = self._rows(sched.decode, sched.prefill)
         ctx, n_sample = self.inputs.build(rows)
+        if pt is not None:
+            pt.before_forward()
         hidden = self.model.forward(ctx)
+        if pt is not None:
+            pt.after_forward()
 
         # sequences that sample this step, in logits order
         sampling: list[Sequence] = list(sched.decode)
@@ -242,6 +255,8 @@ class EngineCore:
         result = None
         if n_sample:
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
+            if pt is not None:
+                pt.mark(4, sync=True)
             steps = [s.num_output_tokens for s in sampling]
             masked = [(b, list(s.stop_ids)) for b, s in enumerate(sampling)
                       if s.num_output_tokens < s.params.min_tokens and s.stop_ids]
@@ -251,6 +266,11 @@ class EngineCore:
             if self.token_masks.active:
                 self.token_masks.apply(logits, [s.sampler_row for s in sampling])
             result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
+            if pt is not None:
+                pt.mark(5)
+        elif pt is not None:
+            pt.mark(4)
+            pt.mark(5)
 
         # bookkeeping: computed lengths, prefix-cache commits
         cm = self.cm
@@ -281,6 +301,8 @@ class EngineCore:
                 if finish is not None:
                     self._seqs.pop(seq.request_id, None)
                     self._drop(seq)
+        if pt is not None:
+            pt.end(len(sched.decode), len(rows.prefill_tokens), len(sched.prefill), self.has_unfinished())
         return outputs
 
     def _rows(self, decode: list[Sequence], prefill: list[PrefillRow]) -> StepRows:
@@ -353,7 +375,10 @@ class EngineCore:
         self.cm.reset_prefix_cache()
 
     def close(self) -> None:
-        """Release what outlives the object: tensor-parallel followers (no-op for tp = 1)."""
+        """Release what outlives the object: tensor-parallel followers (no-op for tp = 1);
+        write out the phase-timing records still buffered."""
+        if self.phase_timer is not None:
+            self.phase_timer.close()
         if self.tp is not None:
             self.tp.close()
 

@@ -106,6 +106,11 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
         return
     out_q.put(("ready", info))
 
+    # MSTAR_PHASE_TIMING: the engine's phase timer, told how the gap between steps splits
+    # into draining commands and emitting outputs (None: nothing is timed)
+    pt = getattr(engine, "phase_timer", None)
+    clock = time.perf_counter_ns
+    t_emit = 0
     parent = mp.parent_process()
     last_parent_check = time.monotonic()
     last_stats = 0.0
@@ -113,11 +118,15 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     while True:
         busy = engine.has_unfinished()
         cmds = []
+        if pt is not None:
+            t_drain = clock()
         try:
             if busy:
                 while True:
                     cmds.append(in_q.get_nowait())
             else:
+                if pt is not None:
+                    t_drain = 0  # blocks for requests: the timer marks that gap as waiting, not idle
                 cmds.append(in_q.get(timeout=IDLE_POLL_S))
                 while True:
                     cmds.append(in_q.get_nowait())
@@ -151,9 +160,13 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
                 stop = True
         if stop:
             break
+        if pt is not None and t_drain:
+            pt.note_loop(drain_ns=clock() - t_drain)
 
         outputs = []
+        stepped = False
         if engine.has_unfinished():
+            stepped = True
             try:
                 outputs = engine.step()
             except BaseException:
@@ -162,6 +175,8 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
         if cmds or outputs:
             stats_dirty = True
         stats = None
+        if pt is not None:
+            t_emit = clock() if stepped else 0
         now = time.monotonic()
         idle = not engine.has_unfinished()
         if stats_dirty and (idle or now - last_stats >= STATS_INTERVAL_S):
@@ -174,6 +189,8 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
             stats_dirty = False
         if outputs or errors or stats is not None:
             out_q.put(("step", outputs, errors, stats))
+        if pt is not None and t_emit:
+            pt.note_loop(emit_ns=clock() - t_emit)
     _close(engine)
     out_q.close()
     out_q.join_thread()

@@ -29,6 +29,8 @@ import uuid
 
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from mstar.runtime.api_checks import check_model
+from mstar.runtime.api_jobs import run_job, start_job
 from mstar.runtime.api_protocol import APIError
 
 FIELDS = frozenset({"file", "model", "language", "prompt", "response_format", "temperature",
@@ -117,7 +119,7 @@ def _bool(form, name: str) -> bool:
     raise bad(name, f"Invalid '{name}': expected true or false, got {v!r}.", "invalid_type")
 
 
-async def transcribe(server, settings, request, form, check_model, start_job, run_job, task: str = "transcribe"):
+async def transcribe(server, request, form, task: str = "transcribe"):
     """One transcription (task "transcribe") or translation to English ("translate": the
     /v1/audio/translations endpoint, which takes no language field)."""
     from mstar.models.audio import AudioError, AudioTooLongError
@@ -138,7 +140,7 @@ async def transcribe(server, settings, request, form, check_model, start_job, ru
     if isinstance(upload, str):
         raise bad("file", "Invalid 'file': expected an uploaded audio file (a multipart file part), got a text "
                           "field.", "invalid_type")
-    model = check_model(_text(form, "model") or None)
+    model = check_model(server.settings, _text(form, "model") or None)
     fmt = (_text(form, "response_format") or "json").strip()
     if fmt not in RESPONSE_FORMATS:
         raise bad("response_format", f"Invalid 'response_format': {fmt!r} is not supported; use one of "
@@ -162,7 +164,7 @@ async def transcribe(server, settings, request, form, check_model, start_job, ru
     build = functools.partial(TranscriptionPlan.build, server.whisper_tokens, server.tokenizer, data,
                               language=language, task=task, prompt=prompt, temperature=temperature,
                               max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                              logprobs=fmt == "verbose_json", max_seconds=settings.max_audio_seconds)
+                              logprobs=fmt == "verbose_json", max_seconds=server.settings.max_audio_seconds)
     try:
         plan = await loop.run_in_executor(None, build)
     except AudioTooLongError as e:
@@ -180,7 +182,7 @@ async def transcribe(server, settings, request, form, check_model, start_job, ru
     t_detect = None
     if plan.needs_detection:
         det = detection_request("x", plan.tokens, plan.windows[0])
-        job = await start_job(request, "language_detection", [list(det.prompt_token_ids)], [det.params], 1,
+        job = await start_job(server, request, "language_detection", [list(det.prompt_token_ids)], [det.params], 1,
                               extras=[{"audio": det.audio, "suppress_token_ids": det.suppress_token_ids,
                                        "begin_suppress_token_ids": ()}])
         (st,) = await run_job(request, job, 1)
@@ -191,7 +193,7 @@ async def transcribe(server, settings, request, form, check_model, start_job, ru
 
     W = len(plan.windows)
     prompt_ids = plan.prompt
-    job = await start_job(request, task_endpoint(task), [prompt_ids] * W, [plan.params] * W, 1,
+    job = await start_job(server, request, task_endpoint(task), [prompt_ids] * W, [plan.params] * W, 1,
                           extras=[{"audio": w} for w in plan.windows])
     seqs = list(job.seqs)
     states = await run_job(request, job, W)

@@ -11,12 +11,13 @@ device syncs.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import flashinfer
 import torch
 
-from mstar.ops import attention
+from mstar.ops import attention, phase_clock
 from mstar.ops.registry import register_backend
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -98,9 +99,12 @@ def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
     p = _decode_wrapper(q.device, hq // hkv, page)
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
+        t0 = time.perf_counter_ns() if phase_clock.enabled else 0
         p.wrapper.plan(_host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len), hq, hkv, d, page,
                        q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
         p.mark(kv_indptr, shape_key)
+        if t0:
+            phase_clock.plan_ns += time.perf_counter_ns() - t0
     return p.wrapper.run(q, (k_cache, v_cache))
 
 
@@ -115,10 +119,13 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
     p = _prefill_wrapper(q.device, page)
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
+        t0 = time.perf_counter_ns() if phase_clock.enabled else 0
         p.wrapper.plan(_host(qo_indptr), _host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len),
                        hq, hkv, d, page, causal=True, sm_scale=scale, q_data_type=q.dtype,
                        kv_data_type=k_cache.dtype)
         p.mark(kv_indptr, shape_key)
+        if t0:
+            phase_clock.plan_ns += time.perf_counter_ns() - t0
     return p.wrapper.run(q, (k_cache, v_cache))
 
 

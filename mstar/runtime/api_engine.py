@@ -1,0 +1,224 @@
+"""The engine side of the API process: `Server` owns the engine process handle, the
+tokenizer, the OutputProcessor and the live sequences.
+
+The engine's messages arrive on a reader thread and are handed to the event loop; each
+step's outputs are detokenized here (stop strings found here abort the sequence in the
+engine at once), timed into the metrics (TTFT, ITL, end to end) and queued on their job
+(api_jobs.Job). If the engine process dies, every live sequence and every request waiting
+for admission gets a 503, and so does every later request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from mstar.runtime import api_protocol as P
+from mstar.runtime.api_jobs import Admission, Job
+from mstar.runtime.api_protocol import APIError
+from mstar.runtime.metrics import ServerMetrics
+from mstar.runtime.request import EngineRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from mstar.runtime.api_server import ServerSettings
+
+logger = logging.getLogger("mstar.server")
+
+
+class Seq:
+    """One engine sequence (one choice of a request) as the API process tracks it."""
+
+    __slots__ = ("arrival", "finished", "first_t", "index", "job", "last_t", "n_out", "prompt_len", "rid")
+
+    def __init__(self, rid: str, index: int, job: Job, prompt_len: int, arrival: float):
+        self.rid, self.index, self.job, self.prompt_len, self.arrival = rid, index, job, prompt_len, arrival
+        self.first_t = self.last_t = None
+        self.n_out = 0
+        self.finished = False
+
+
+class Server:
+    """Owns the engine process handle, the tokenizer, the OutputProcessor and the live sequences."""
+
+    def __init__(self, settings: ServerSettings, engine, tokenizer, output_processor=None):
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        if output_processor is None:
+            from mstar.runtime.output_processor import OutputProcessor
+            output_processor = OutputProcessor(tokenizer)
+        self.proc = output_processor
+        self.metrics = ServerMetrics(settings.served_model_names[0])
+        self.admission = Admission(settings.max_pending, settings.overload_policy, self.metrics,
+                                   settings.retry_after_s)
+        info = engine.info
+        self.max_model_len: int = info["max_model_len"]
+        self.eos_token_ids: tuple[int, ...] = tuple(info.get("eos_token_ids", ()))
+        self.vocab_size: int = int(info.get("vocab_size") or (len(tokenizer) if tokenizer is not None else 0))
+        self.is_whisper = bool(info.get("is_encoder_decoder"))  # speech recognition: transcriptions only
+        self.whisper_tokens = None
+        if self.is_whisper:
+            from mstar.runtime.transcribe import whisper_tokens
+            self.whisper_tokens = whisper_tokens(self.vocab_size, tokenizer)
+        self.seqs: dict[str, Seq] = {}
+        self.dead: str | None = None
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.created = int(time.time())
+        self._tok_str: dict[int, str] = {}
+        self.metrics.engine_alive.set(1)
+
+    # -- engine messages (reader thread -> event loop) ----------------------------------------
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+        def on_message(msg):
+            try:
+                loop.call_soon_threadsafe(self._on_message, msg)
+            except RuntimeError:  # loop closed at shutdown
+                pass
+
+        self.engine.start_reader(on_message)
+
+    def _on_message(self, msg: tuple) -> None:
+        try:
+            kind = msg[0]
+            if kind == "step":
+                self._on_step(*msg[1:])
+            elif kind == "exited" and self.stopping:
+                return
+            elif kind in ("fatal", "exited"):
+                if kind == "fatal":
+                    logger.error("the engine failed:\n%s", msg[1])
+                self._engine_died("the engine process failed" if kind == "fatal"
+                                  else f"the engine process exited (code {msg[1]})")
+        except Exception:  # never let one bad message stop delivery of the others
+            logger.exception("error while handling an engine message")
+
+    def _on_step(self, outputs, errors, stats) -> None:
+        now = time.monotonic()
+        for rid, fld, message in errors:
+            seq = self.seqs.pop(rid, None)
+            if seq is None:
+                continue
+            seq.finished = True
+            with contextlib.suppress(Exception):
+                self.proc.abort(rid)
+            seq.job.queue.put_nowait((seq.index, APIError(400, f"Invalid '{fld}': {message}" if fld else message,
+                                                          param=fld, code="invalid_value")))
+        live = [o for o in outputs if o.request_id in self.seqs]
+        if live:
+            try:
+                updates, stopped = self.proc.process(live)
+            except Exception:  # never leave these requests hanging: fail them, free them in the engine
+                logger.exception("detokenization failed; failing %d request(s)", len(live))
+                err = APIError(500, "Internal error while detokenizing the output.", code="internal_error")
+                rids = [o.request_id for o in live]
+                for rid in rids:
+                    seq = self.seqs.get(rid)
+                    if seq is not None:
+                        seq.job.queue.put_nowait((seq.index, err))
+                self.abort_seqs(rids)
+                live, updates, stopped = [], [], []
+            if stopped:
+                self.engine.abort(list(stopped))
+            m = self.metrics
+            for u in updates:
+                seq = self.seqs.get(u.request_id)
+                if seq is None:
+                    continue
+                k = len(u.new_token_ids or ())
+                if k:
+                    if seq.first_t is None:
+                        seq.first_t = now
+                        m.ttft.observe(now - seq.arrival)
+                        k_itl = k - 1
+                    else:
+                        k_itl = k
+                    if k_itl and seq.last_t is not None:
+                        dt = (now - seq.last_t) / k_itl
+                        for _ in range(k_itl):
+                            m.itl.observe(dt)
+                    seq.last_t = now
+                    seq.n_out += k
+                    m.generation_tokens.inc(k)
+                if u.finished:
+                    seq.finished = True
+                    del self.seqs[u.request_id]
+                    m.finished.labels(u.finish_reason or "stop").inc()
+                    m.e2e.observe(now - seq.arrival)
+                    if u.num_cached_tokens:
+                        m.cached_prompt_tokens.inc(u.num_cached_tokens)
+                seq.job.queue.put_nowait((seq.index, u))
+        if stats:
+            self.metrics.update_engine_stats(stats)
+
+    def _engine_died(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = why
+        logger.error("%s; answering 503 from now on", why)
+        self.metrics.engine_alive.set(0)
+        err = APIError(503, f"The engine is not available: {why}.", code="engine_dead")
+        self.admission.fail_waiters(err)
+        for rid, seq in list(self.seqs.items()):
+            seq.finished = True
+            seq.job.queue.put_nowait((seq.index, err))
+        self.seqs.clear()
+
+    # -- submitting and aborting ---------------------------------------------------------------
+    def submit(self, job: Job, index: int, prompt_ids: list[int], params: SamplingParams,
+               arrival: float, extra: dict | None = None) -> None:
+        rid = f"{job.endpoint[:4]}-{uuid.uuid4().hex}"
+        seq = Seq(rid, index, job, len(prompt_ids), arrival)
+        job.seqs.append(seq)
+        self.seqs[rid] = seq
+        self.proc.add_request(rid, list(prompt_ids), params)
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.engine.add(EngineRequest(rid, list(prompt_ids), params, eos_token_ids=self.eos_token_ids,
+                                      arrival_time=time.time(), **(extra or {})))
+
+    def abort_seqs(self, rids: list[str]) -> None:
+        gone = []
+        for rid in rids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                seq.finished = True
+                gone.append(rid)
+                self.metrics.finished.labels("abort").inc()
+                with contextlib.suppress(Exception):
+                    self.proc.abort(rid)
+        if gone and self.dead is None:
+            self.engine.abort(gone)
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise APIError(503, f"The engine is not available: {self.dead}.", code="engine_dead")
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def token_str(self, tid: int) -> str:
+        s = self._tok_str.get(tid)
+        if s is None:
+            if self.tokenizer is None:
+                return f"token_id:{tid}"
+            try:
+                s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            except Exception:
+                s = ""
+            if len(self._tok_str) < 1_000_000:
+                self._tok_str[tid] = s
+        return s
+
+    def need_tokenizer(self, param: str, what: str) -> None:
+        if self.tokenizer is None:
+            raise P.bad(param, f"This model has no tokenizer, so {what} cannot be used; send prompts as "
+                               "token ids (and read token_ids with return_token_ids).", "no_tokenizer")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.need_tokenizer("prompt", "text prompts")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(ids)
