@@ -152,22 +152,31 @@ async def _one_request(client, url: str, payload: dict, headers: dict, use_token
     return res
 
 
-async def _closed_loop(base_url: str, payloads: list[dict], concurrency: int, headers: dict, use_token_ids: bool,
-                       timeout: float) -> tuple[float, list[RequestResult]]:
+async def closed_loop(n: int, concurrency: int, one, timeout) -> tuple[float, list]:
+    """Run requests 0..n-1 with `concurrency` workers, each taking the next index as soon as
+    its previous request ends; one(client, i) runs request i. Returns (wall seconds, results)."""
     import httpx
-    url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    results: list[RequestResult] = [None] * len(payloads)  # type: ignore[list-item]
-    it = iter(range(len(payloads)))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+    results: list = [None] * n
+    it = iter(range(n))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def worker():
             for i in it:
-                results[i] = await _one_request(client, url, payloads[i], headers, use_token_ids)
+                results[i] = await one(client, i)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return wall, results
+
+
+async def _closed_loop(base_url: str, payloads: list[dict], concurrency: int, headers: dict, use_token_ids: bool,
+                       timeout: float) -> tuple[float, list[RequestResult]]:
+    import httpx
+    url = base_url.rstrip("/") + "/v1/completions"
+    return await closed_loop(len(payloads), concurrency,
+                             lambda client, i: _one_request(client, url, payloads[i], headers, use_token_ids),
+                             httpx.Timeout(timeout, connect=30.0))
 
 
 def _get_json(base_url: str, path: str, headers: dict) -> Any:

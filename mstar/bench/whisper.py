@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import _REPO, git_commit, percentile, report_records
+from mstar.bench.serve import _REPO, closed_loop, git_commit, percentile, report_records
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
 
@@ -93,19 +93,9 @@ async def _one(client, url: str, clip: bytes, form: dict, headers: dict) -> Resu
 
 async def _closed_loop(base_url: str, clips: list[bytes], form: dict, concurrency: int, headers: dict,
                        timeout: float) -> tuple[float, list[Result]]:
-    import httpx
     url = base_url.rstrip("/") + "/v1/audio/transcriptions"
-    results: list[Result | None] = [None] * len(clips)
-    it = iter(range(len(clips)))
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def worker():
-            for i in it:
-                results[i] = await _one(client, url, clips[i], form, headers)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+    wall, results = await closed_loop(len(clips), concurrency,
+                                      lambda client, i: _one(client, url, clips[i], form, headers), timeout)
     return wall, [r for r in results if r is not None]
 
 
