@@ -80,7 +80,7 @@ def test_stop_string_spanning_tokens():
             continue
         break
     else:
-        pytest.skip("no 3-token printable run in the greedy outputs")
+        pytest.fail("no 3-token printable run in the greedy outputs: pick other prompts")
     full = o.text
     assert stop in full
     cut = full.index(stop)
