@@ -1,6 +1,8 @@
 """`python -m mstar.models info NAME_OR_DIR` : a model's config, layer pattern, size and
 cache footprint, computed from shapes (the model is built on the meta device; nothing
-full-size is allocated). `python -m mstar.models list` : the presets."""
+full-size is allocated). With `--tp N`, also the per-rank memory plan of tensor parallelism
+N (memory_plan.py): weights, KV and state bytes per rank, and how many sequences of
+`--context` tokens fit on a GPU of `--gpu-mem-gib`. `python -m mstar.models list` : the presets."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 import sys
 
 import torch
+
+from mstar.models.memory_plan import human_bytes as _human
 
 
 def _layer_pattern(config) -> str:
@@ -21,16 +25,6 @@ def _layer_pattern(config) -> str:
             break
     counts = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
     return f"{unit} x {len(letters) // len(unit)}  ({counts}; F = full attention, L = Gated DeltaNet)"
-
-
-def _human(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n:,} B ({n / (1 << 30):.2f} GiB)"
-    if n >= 1 << 20:
-        return f"{n:,} B ({n / (1 << 20):.2f} MiB)"
-    if n >= 1 << 10:
-        return f"{n:,} B ({n / (1 << 10):.2f} KiB)"
-    return f"{n:,} B"
 
 
 def info(name_or_dir: str, show_config: bool = True) -> str:
@@ -66,10 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="config, layer pattern, parameter count, cache bytes")
     p_info.add_argument("name_or_dir")
     p_info.add_argument("--no-config", action="store_true", help="do not print the config")
+    p_info.add_argument("--tp", type=int, default=None, help="also print the memory plan per rank at this "
+                        "tensor-parallel size")
+    p_info.add_argument("--gpu-mem-gib", type=float, default=139.0, help="memory per GPU (plan; default 139)")
+    p_info.add_argument("--max-num-seqs", type=int, default=128, help="running sequences (plan; default 128)")
+    p_info.add_argument("--context", type=int, default=512, help="tokens per sequence (plan; default 512)")
+    p_info.add_argument("--reserve-gib", type=float, default=0.0,
+                        help="per GPU, not available to the engine: CUDA context, NCCL (plan; default 0)")
+    p_info.add_argument("--no-prefix-caching", action="store_true", help="plan without state snapshots")
     sub.add_parser("list", help="the presets")
     args = ap.parse_args(argv)
     if args.cmd == "info":
         print(info(args.name_or_dir, show_config=not args.no_config))
+        if args.tp is not None:
+            from mstar.models.memory_plan import plan
+            try:
+                p = plan(args.name_or_dir, args.tp, gpu_mem_gib=args.gpu_mem_gib, max_num_seqs=args.max_num_seqs,
+                         context=args.context, reserve_gib=args.reserve_gib,
+                         prefix_caching=not args.no_prefix_caching)
+            except ValueError as e:  # a tp that cannot split the model, a model without a plan
+                ap.error(str(e))
+            print("\n".join(p.lines()))
     else:
         from mstar.models import presets
         for name, p in presets.PRESETS.items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mstar import knobs
+from mstar.models.memory_plan import CACHE_FRACTION, default_snapshot_slots
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -21,7 +22,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 # CPU has no "free memory" figure worth trusting; caches get this many bytes by default.
 CPU_CACHE_BYTES = 1 << 30
 # Fraction of free device memory (after the model is loaded) given to caches on CUDA.
-CUDA_CACHE_FRACTION = 0.85
+CUDA_CACHE_FRACTION = CACHE_FRACTION
 
 
 @dataclass
@@ -150,9 +151,7 @@ def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.devic
     snap = cfg.num_snapshot_slots
     if snap is None:
         if has_state and cfg.enable_prefix_caching:
-            # a quarter of what is left, at most 4 snapshots per running sequence
-            snap = int(min(4 * num_slots, max(budget, 0) // 4 // max(state_bytes, 1)))
-            snap = max(snap, min(8, 4 * num_slots))
+            snap = default_snapshot_slots(num_slots, budget, state_bytes)
         else:
             snap = 0
     budget -= snap * state_bytes
