@@ -3,19 +3,20 @@ by transformers (save_pretrained, with the byte tokenizer) into a temp dir once 
 process, the HF greedy reference (cached per prompt), and engine construction.
 
 HF's Qwen3.5 picks the fla Triton kernels when fla is installed, which cannot run on a
-CPU-only machine; `hf_model` switches the module back to its pure-torch paths.
+CPU-only machine; the HF reference runs under hf_models.torch_only_reference().
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import random
 import tempfile
 
 import pytest
 import torch
+
+from hf_models import make_hf_model, torch_only_reference
 
 VOCAB = 320  # > 259 ids of the byte tokenizer
 EOS = 258  # <|im_end|> of the byte tokenizer
@@ -30,18 +31,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def _torch_paths_for_hf_qwen3_5() -> None:
-    import transformers.models.qwen3_5.modeling_qwen3_5 as hm
-    for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-              "causal_conv1d_update"):
-        f = getattr(hm, n, None)
-        if f is None:
-            continue
-        while hasattr(f, "__wrapped__"):
-            f = f.__wrapped__
-        setattr(hm, n, f)
 
 
 def _config(kind: str):
@@ -68,29 +57,8 @@ def _config(kind: str):
 @functools.lru_cache(maxsize=None)
 def hf_model(kind: str):
     """The transformers model (fp32, eval), random weights with enough spread that the
-    next-token distribution is far from uniform."""
-    from transformers import AutoModelForCausalLM
-    _torch_paths_for_hf_qwen3_5()
-    cfg = _config(kind)
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1234)
-    zero_centred = kind == "qwen3.5"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1.0, 8.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 0.5)
-            elif "norm" in name:
-                base = 0.0 if zero_centred and "linear_attn.norm" not in name else 1.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
-            elif "conv1d" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            else:
-                std = 1.0 if "embed" in name else 1.0 / math.sqrt(p.shape[-1])
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
+    next-token distribution is far from uniform (hf_models.make_hf_model)."""
+    return make_hf_model(_config(kind), seed=1234)
 
 
 _DIR = None
@@ -113,7 +81,7 @@ def model_dir(kind: str) -> str:
 def _hf_greedy(kind: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     model = hf_model(kind)
     ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
+    with torch.no_grad(), torch_only_reference():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return tuple(out[0, len(prompt):].tolist())
