@@ -142,21 +142,27 @@ class DecoderLM(nn.Module):
                          state=tuple(m.spec() for m in self.state_layers),
                          state_dtype=torch.float32)
 
-    def bind_caches(self, caches: ModelCaches) -> None:
-        attn, state = self.attention_layers, self.state_layers
+    def _bind_paged_kv(self, caches: ModelCaches) -> None:
+        """Check the paged K/V pools against the attention layers and bind them."""
+        attn = self.attention_layers
         if len(caches.k_caches) != len(attn) or len(caches.v_caches) != len(attn):
             raise ValueError(f"bind_caches: model has {len(attn)} attention layers, got "
                              f"{len(caches.k_caches)} k and {len(caches.v_caches)} v caches")
+        for i, (m, k, v) in enumerate(zip(attn, caches.k_caches, caches.v_caches)):
+            if k.shape[-2:] != (m.num_kv_heads, m.head_dim) or v.shape != k.shape:
+                raise ValueError(f"bind_caches: attention layer {i} wants "
+                                 f"[pages, page_size, {m.num_kv_heads}, {m.head_dim}], got k "
+                                 f"{tuple(k.shape)} v {tuple(v.shape)}")
+        for m, k, v in zip(attn, caches.k_caches, caches.v_caches):
+            m.k_cache, m.v_cache = k, v
+
+    def bind_caches(self, caches: ModelCaches) -> None:
+        state = self.state_layers
+        self._bind_paged_kv(caches)
         if len(caches.conv_states) != len(state) or len(caches.recurrent_states) != len(state):
             raise ValueError(f"bind_caches: model has {len(state)} state layers, got "
                              f"{len(caches.conv_states)} conv and {len(caches.recurrent_states)} "
                              f"recurrent pools")
-        for m, k, v in zip(attn, caches.k_caches, caches.v_caches):
-            if k.shape[-2:] != (m.num_kv_heads, m.head_dim) or v.shape != k.shape:
-                raise ValueError(f"bind_caches: attention layer {m.attn_index} wants "
-                                 f"[pages, page_size, {m.num_kv_heads}, {m.head_dim}], got k "
-                                 f"{tuple(k.shape)} v {tuple(v.shape)}")
-            m.k_cache, m.v_cache = k, v
         for m, c, r in zip(state, caches.conv_states, caches.recurrent_states):
             m.bind_state(c, r)
         self._caches_bound = True

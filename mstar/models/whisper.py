@@ -329,25 +329,17 @@ class WhisperForConditionalGeneration(DecoderLM):
                                                   max_source_len=self.max_source_positions))
 
     def bind_caches(self, caches: ModelCaches) -> None:
-        attn, cross = self.attention_layers, self.cross_attention_layers
-        if len(caches.k_caches) != len(attn) or len(caches.v_caches) != len(attn):
-            raise ValueError(f"bind_caches: Whisper has {len(attn)} decoder self-attention layers, got "
-                             f"{len(caches.k_caches)} k and {len(caches.v_caches)} v caches")
+        cross = self.cross_attention_layers
         if len(caches.cross_k_caches) != len(cross) or len(caches.cross_v_caches) != len(cross):
             raise ValueError(f"bind_caches: Whisper has {len(cross)} cross-attention layers, got "
                              f"{len(caches.cross_k_caches)} cross k and {len(caches.cross_v_caches)} cross v "
                              f"pools (allocate CacheSpec.cross: [slots, {self.max_source_positions}, H, D])")
-        for i, (m, k, v) in enumerate(zip(attn, caches.k_caches, caches.v_caches)):
-            if k.shape[-2:] != (m.num_kv_heads, m.head_dim) or v.shape != k.shape:
-                raise ValueError(f"bind_caches: self-attention layer {i} wants [pages, page_size, "
-                                 f"{m.num_kv_heads}, {m.head_dim}], got k {tuple(k.shape)} v {tuple(v.shape)}")
         for i, (m, k, v) in enumerate(zip(cross, caches.cross_k_caches, caches.cross_v_caches)):
             if k.dim() != 4 or k.shape[1:] != (self.max_source_positions, m.num_kv_heads, m.head_dim) \
                     or v.shape != k.shape:
                 raise ValueError(f"bind_caches: cross-attention layer {i} wants [slots, {self.max_source_positions}, "
                                  f"{m.num_kv_heads}, {m.head_dim}], got k {tuple(k.shape)} v {tuple(v.shape)}")
-        for m, k, v in zip(attn, caches.k_caches, caches.v_caches):
-            m.k_cache, m.v_cache = k, v
+        self._bind_paged_kv(caches)
         for m, k, v in zip(cross, caches.cross_k_caches, caches.cross_v_caches):
             m.k_cache, m.v_cache = k, v
         self._caches_bound = True
