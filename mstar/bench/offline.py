@@ -26,7 +26,7 @@ def run(args) -> list[dict]:
     for c in args.concurrency:
         llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                   max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
-                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp)
+                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs)
         vocab = llm.engine.model.config.vocab_size
         n = args.num_prompts or max(4 * c, 64)
         g = torch.Generator().manual_seed(args.seed)
@@ -48,6 +48,7 @@ def run(args) -> list[dict]:
                "output_tok_s": out_tokens / dt, "elapsed_s": dt,
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "decode_graphs": args.decode_graphs, "graph_capture_s": _capture_s(llm),
                "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
         print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s)", flush=True)
@@ -64,6 +65,11 @@ def run(args) -> list[dict]:
     return records
 
 
+def _capture_s(llm) -> float | None:
+    g = llm.engine.graphs
+    return None if g is None or not g.graphs else round(g.capture_s, 2)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mstar.bench.offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-qwen3.5", help="preset name or HF model directory")
@@ -76,6 +82,8 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (GPUs)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
+                    help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--out", default="notes/results/offline.jsonl", help="JSONL file to append records to ('' = none)")
     run(ap.parse_args(argv))

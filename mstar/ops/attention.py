@@ -147,3 +147,53 @@ paged_attention_decode = define_op(
     reference=_paged_attention_decode_ref, fake=_paged_attention_decode_fake)
 
 __all__ = ["kv_append", "paged_attention_prefill", "paged_attention_decode"]
+
+
+# --- decode plans for CUDA graphs -------------------------------------------------------------
+class StaticDecodePlan:
+    """Paged-decode index arrays held in fixed buffers, so that a captured CUDA graph can
+    read a new batch's page tables after `plan()` refreshed them outside the graph.
+
+    The runtime passes `indptr`, `indices` and `last_page_len` (these very tensors) to
+    `paged_attention_decode` while capturing and while running eagerly. This base class
+    serves the reference backend (and any backend that reads the arrays on the device):
+    plan() copies into the buffers. Backends that plan on the host (FlashInfer) subclass
+    it and recognise their own buffers by identity."""
+
+    def __init__(self, device, batch: int, max_pages: int, **_):
+        device = torch.device(device)
+        self.batch = batch
+        self.max_pages = max_pages
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        self.indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(batch, dtype=torch.int32, device=device)
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """indptr [batch + 1], last_page_len [batch] (host int32), indices [<= max_pages]."""
+        n = indices.shape[0]
+        if indptr.shape[0] != self.batch + 1 or n > self.max_pages:
+            raise ValueError(f"decode plan: {indptr.shape[0] - 1} rows / {n} pages for buffers of "
+                             f"{self.batch} rows / {self.max_pages} pages")
+        self.indptr.copy_(indptr, non_blocking=True)
+        self.last_page_len.copy_(last_page_len, non_blocking=True)
+        self.indices[:n].copy_(indices, non_blocking=True)
+
+
+_DECODE_PLANS: dict[str, type] = {"reference": StaticDecodePlan}
+
+
+def register_decode_plan(backend: str, cls: type) -> None:
+    """A backend of paged_attention_decode that needs its own plan object under CUDA graphs."""
+    _DECODE_PLANS[backend] = cls
+
+
+def decode_graph_plan(device, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
+                      head_dim: int, page_size: int, dtype: torch.dtype, scale: float) -> StaticDecodePlan:
+    """The fixed-buffer decode plan of the backend selected for `device`."""
+    backend = paged_attention_decode.selected(torch.device(device).type)
+    cls = _DECODE_PLANS.get(backend, StaticDecodePlan)
+    return cls(device, batch, max_pages, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+               head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale)
+
+
+__all__ += ["StaticDecodePlan", "decode_graph_plan", "register_decode_plan"]

@@ -96,7 +96,9 @@ class _Request:
 class CacheManager:
     def __init__(self, spec: CacheSpec, *, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device, enable_prefix_cache: bool = True,
-                 num_snapshot_slots: int = 0, num_cross_slots: int = 0):
+                 num_snapshot_slots: int = 0, num_cross_slots: int = 0, padding: bool = False):
+        """padding: one more KV page and state row than the pools hand out (`pad_page`,
+        `pad_slot`), for the padding rows of graph-replayed decode steps to write into."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.spec = spec
@@ -119,12 +121,16 @@ class CacheManager:
             raise ValueError("a model with cross-attention needs num_cross_slots >= 1")
         self.num_cross_slots = num_cross_slots if self.has_cross else 0
 
+        # the padding page / state row sit past the last page / row the pools know
+        self.pad_page = num_pages if padding else None
+        self.pad_slot = (num_slots + num_snapshot_slots) if padding and self.has_state else None
+        extra = 1 if padding else 0
         c = ModelCaches()
         for a in spec.attention:
-            shape = (num_pages, page_size, a.num_kv_heads, a.head_dim)
+            shape = (num_pages + extra, page_size, a.num_kv_heads, a.head_dim)
             c.k_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
             c.v_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
-        rows = num_slots + num_snapshot_slots
+        rows = num_slots + num_snapshot_slots + (extra if self.has_state else 0)
         for s in spec.state:
             c.conv_states.append(torch.zeros((rows, s.conv_dim, s.conv_kernel - 1), dtype=dtype, device=self.device))
             c.recurrent_states.append(torch.zeros((rows, s.num_heads, s.key_dim, s.value_dim),

@@ -43,6 +43,11 @@ class EngineConfig:
     # None: sized with the caches (hybrid models with prefix caching only)
     num_snapshot_slots: int | None = None
     cache_memory_bytes: int | None = None  # None: see CPU_CACHE_BYTES / CUDA_CACHE_FRACTION
+    # decode-only steps: "auto" replays CUDA graphs on CUDA (cuda_graphs.py) and runs eagerly
+    # elsewhere; "off" always eager; "static" the graphs' fixed buffers and padding without
+    # capturing (any device: how CPU tests check the graph path's inputs)
+    decode_graphs: str = "auto"
+    max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
 
     def __post_init__(self):
         self.validate()
@@ -71,6 +76,9 @@ class EngineConfig:
         pos("num_pages", True)
         pos("max_num_batched_tokens")
         pos("tp")
+        pos("max_graph_batch")
+        if self.decode_graphs not in ("auto", "off", "static"):
+            raise ValueError(f"decode_graphs: must be 'auto', 'off' or 'static', got {self.decode_graphs!r}")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
                                                     or self.num_snapshot_slots < 0):
             raise ValueError(f"num_snapshot_slots: must be >= 0, got {self.num_snapshot_slots!r}")

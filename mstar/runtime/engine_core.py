@@ -82,7 +82,7 @@ class EngineCore:
                           num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
                           enable_prefix_cache=config.enable_prefix_caching,
                           num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0,
-                          num_cross_slots=sizes.num_cross_slots)
+                          num_cross_slots=sizes.num_cross_slots, padding=self._wants_graphs(config, spec))
         model.bind_caches(self.cm.caches)
         if self.tp is not None:
             self.tp.attach(model)  # followers allocate the same caches
@@ -107,6 +107,10 @@ class EngineCore:
         self.inputs = make_inputs(page_size=self.page_size, device=self.device,
                                   has_attention=self.has_attention, has_state=self.has_state,
                                   cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
+        # decode-only steps replay CUDA graphs (cuda_graphs.py); None: every step eager
+        self.graphs = None
+        if self._wants_graphs(config, spec):
+            self.graphs = self._capture_graphs(config, sizes, max_len)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []
@@ -121,6 +125,25 @@ class EngineCore:
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
+
+    def _wants_graphs(self, config: EngineConfig, spec) -> bool:
+        if config.decode_graphs == "off" or spec.cross is not None or self.tp is not None:
+            return False  # encoder-decoder and tensor-parallel engines decode eagerly
+        return config.decode_graphs == "static" or self.device.type == "cuda"
+
+    def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
+        from mstar.runtime.cuda_graphs import DecodeGraphRunner
+        runner = DecodeGraphRunner(self.model, device=self.device, page_size=sizes.page_size,
+                                   max_batch=min(config.max_graph_batch, config.max_num_seqs),
+                                   num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
+                                   pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto")
+        try:
+            runner.capture()
+        except Exception as e:  # noqa: BLE001 -- a backend that cannot be captured: decode eagerly
+            log.warning("decode graphs: capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return None
+        return runner
 
     # ======================================================================================
     # requests
@@ -242,10 +265,19 @@ class EngineCore:
             pt.mark(1)
 
         rows = self._rows(sched.decode, sched.prefill)
-        ctx, n_sample = self.inputs.build(rows)
-        if pt is not None:
-            pt.before_forward()
-        hidden = self.model.forward(ctx)
+        graphs = self.graphs
+        if graphs is not None and not sched.prefill and graphs.bucket(len(sched.decode)) is not None:
+            if pt is not None:
+                pt.before_forward()
+            hidden = graphs.run(rows)  # the sampling rows, in order
+            n_sample = hidden.shape[0]
+        else:
+            ctx, n_sample = self.inputs.build(rows)
+            if pt is not None:
+                pt.before_forward()
+            hidden = self.model.forward(ctx)
+            if n_sample:
+                hidden = hidden[ctx.logits_indices]
         if pt is not None:
             pt.after_forward()
 
@@ -254,7 +286,7 @@ class EngineCore:
         sampling += [r.seq for r in sched.prefill if r.samples]
         result = None
         if n_sample:
-            logits = self.model.compute_logits(hidden[ctx.logits_indices])
+            logits = self.model.compute_logits(hidden)
             if pt is not None:
                 pt.mark(4, sync=True)
             steps = [s.num_output_tokens for s in sampling]

@@ -72,15 +72,7 @@ class StepInputBuilder:
         P = len(rows.prefill_starts)
 
         # ---- decode -------------------------------------------------------------------------
-        d_len = np.asarray(rows.decode_lens, dtype=np.int64)
-        d_pos = d_len - 1
-        d_npages = (d_len + ps - 1) // ps
-        d_pages_flat = [p for pages, n in zip(rows.decode_pages, d_npages.tolist()) for p in pages[:n]] \
-            if self.has_attention else []
-        d_indices = np.asarray(d_pages_flat, dtype=np.int64)
-        d_indptr = np.zeros(D + 1, dtype=np.int64)
-        np.cumsum(d_npages, out=d_indptr[1:])
-        d_last = d_len - (d_npages - 1) * ps
+        d_pos, d_indptr, d_indices, d_last, d_slot = decode_arrays(rows, ps, self.has_attention)
 
         # ---- prefill ------------------------------------------------------------------------
         p_start = np.asarray(rows.prefill_starts, dtype=np.int64)
@@ -107,7 +99,6 @@ class StepInputBuilder:
         positions = np.concatenate([d_pos, p_pos])
 
         if self.has_attention:
-            d_slot = d_indices[d_indptr[:-1] + d_pos // ps] * ps + d_pos % ps if D else d_pos
             if n_pref:
                 pg = p_indices[np.repeat(p_indptr[:-1], p_qlen) + p_pos // ps]
                 p_slot = pg * ps + p_pos % ps
@@ -155,9 +146,16 @@ class StepInputBuilder:
 
         attn = None
         if self.has_attention:
+            if self.device.type != "cpu":
+                # indptrs and last-page lengths stay on the host too (context.py allows it):
+                # attention backends plan from them without reading the device
+                h = [torch.from_numpy(a.astype(np.int32)) for a in (d_indptr, d_last, qo_indptr, p_indptr, p_last)]
+                t_dindptr, t_dlast, h_qo, t_pindptr, t_plast = h
+            else:
+                h_qo = t_qo
             attn = AttentionMetadata(slot_mapping=t_slotmap, decode_kv_indptr=t_dindptr,
                                      decode_kv_indices=t_dind, decode_kv_last_page_len=t_dlast,
-                                     prefill_qo_indptr=t_qo, prefill_kv_indptr=t_pindptr,
+                                     prefill_qo_indptr=h_qo, prefill_kv_indptr=t_pindptr,
                                      prefill_kv_indices=t_pind, prefill_kv_last_page_len=t_plast)
         state = None
         if self.has_state:
@@ -169,6 +167,24 @@ class StepInputBuilder:
         ctx = ForwardContext(input_ids=t_ids, positions=t_pos, num_decode_tokens=D, attn=attn, state=state,
                              logits_indices=t_logits, cross=cross)
         return ctx, n_sample
+
+
+def decode_arrays(rows: StepRows, page_size: int, has_attention: bool):
+    """The decode rows' (positions, kv indptr, kv page indices, last-page lengths, KV slot
+    of the new token), int64 numpy; the paged ones are empty without attention."""
+    ps = page_size
+    d_len = np.asarray(rows.decode_lens, dtype=np.int64)
+    d_pos = d_len - 1
+    d_npages = (d_len + ps - 1) // ps
+    d_indptr = np.zeros(len(d_len) + 1, dtype=np.int64)
+    np.cumsum(d_npages, out=d_indptr[1:])
+    d_last = d_len - (d_npages - 1) * ps
+    if not has_attention:
+        return d_pos, d_indptr, np.zeros(0, dtype=np.int64), d_last, d_pos
+    d_indices = np.asarray([p for pages, n in zip(rows.decode_pages, d_npages.tolist()) for p in pages[:n]],
+                           dtype=np.int64)
+    d_slot = d_indices[d_indptr[:-1] + d_pos // ps] * ps + d_pos % ps if len(d_len) else d_pos
+    return d_pos, d_indptr, d_indices, d_last, d_slot
 
 
 def _split(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

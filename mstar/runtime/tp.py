@@ -84,6 +84,12 @@ class _Ref:
     stride: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    """A host tensor of rank 0's context (indptrs for planning): a host tensor on followers too."""
+    t: torch.Tensor
+
+
 def _layout(obj, bufs: list[torch.Tensor]):
     """obj with every tensor replaced by a _Ref into bufs (or a CPU copy if it is not a view of one)."""
     if isinstance(obj, torch.Tensor):
@@ -91,6 +97,8 @@ def _layout(obj, bufs: list[torch.Tensor]):
         for i, b in enumerate(bufs):
             if b.untyped_storage().data_ptr() == ptr and b.dtype == obj.dtype:
                 return _Ref(i, obj.storage_offset() - b.storage_offset(), tuple(obj.shape), tuple(obj.stride()))
+        if obj.device.type == "cpu":
+            return _Host(obj.detach().clone())
         return obj.detach().cpu()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return (type(obj), {f.name: _layout(getattr(obj, f.name), bufs) for f in dataclasses.fields(obj)})
@@ -100,6 +108,8 @@ def _layout(obj, bufs: list[torch.Tensor]):
 def _rebuild(lay, bufs: list[torch.Tensor], device: torch.device):
     if isinstance(lay, _Ref):
         return torch.as_strided(bufs[lay.buf], lay.shape, lay.stride, bufs[lay.buf].storage_offset() + lay.offset)
+    if isinstance(lay, _Host):
+        return lay.t
     if isinstance(lay, torch.Tensor):
         return lay.to(device)
     if isinstance(lay, tuple) and len(lay) == 2 and isinstance(lay[0], type) and dataclasses.is_dataclass(lay[0]):

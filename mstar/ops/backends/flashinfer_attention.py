@@ -88,9 +88,56 @@ def _dev(t: torch.Tensor, device) -> torch.Tensor:
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
+class FlashInferDecodePlan(attention.StaticDecodePlan):
+    """A CUDA-graph decode wrapper with fixed buffers for one batch size. `indptr` is a
+    pinned host tensor: the decode op recognises it by identity and runs this wrapper
+    without planning (plan() is the runtime's job, outside the graph)."""
+
+    def __init__(self, device, batch: int, max_pages: int, *, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, page_size: int, dtype: torch.dtype, scale: float):
+        device = torch.device(device)
+        self.batch, self.max_pages = batch, max_pages
+        self.shape = (num_q_heads, num_kv_heads, head_dim, page_size)
+        self.dtype, self.scale = dtype, scale
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32).pin_memory()
+        self.last_page_len = torch.ones(batch, dtype=torch.int32).pin_memory()
+        self._buffers = (torch.zeros(batch + 1, dtype=torch.int32, device=device),
+                         torch.zeros(max_pages, dtype=torch.int32, device=device),
+                         torch.ones(batch, dtype=torch.int32, device=device))
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            _workspace(device), "NHD", use_cuda_graph=True, use_tensor_cores=num_q_heads // num_kv_heads >= 4,
+            paged_kv_indptr_buffer=self._buffers[0], paged_kv_indices_buffer=self._buffers[1],
+            paged_kv_last_page_len_buffer=self._buffers[2])
+        self.indices = self._buffers[1]
+        _graph_plans[id(self.indptr)] = self
+
+    def plan(self, indptr, indices, last_page_len) -> None:
+        """indptr / last_page_len: host int32; indices: int32 on the device (a host tensor
+        here would make FlashInfer's copy a blocking one)."""
+        if indptr.shape[0] != self.batch + 1 or indices.shape[0] > self.max_pages:
+            raise ValueError(f"decode plan: {indptr.shape[0] - 1} rows / {indices.shape[0]} pages for "
+                             f"buffers of {self.batch} rows / {self.max_pages} pages")
+        if indptr is not self.indptr:
+            self.indptr.copy_(indptr)
+            self.last_page_len.copy_(last_page_len)
+        hq, hkv, d, page = self.shape
+        t0 = time.perf_counter_ns() if phase_clock.enabled else 0
+        self.wrapper.plan(self.indptr, indices, self.last_page_len, hq, hkv, d, page,
+                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        if t0:
+            phase_clock.plan_ns += time.perf_counter_ns() - t0
+
+
+# id(pinned indptr) -> its plan; weak, so an engine's plans go with it
+_graph_plans: "weakref.WeakValueDictionary[int, FlashInferDecodePlan]" = weakref.WeakValueDictionary()
+
+
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    gp = _graph_plans.get(id(kv_indptr))
+    if gp is not None and gp.indptr is kv_indptr:  # fixed buffers, planned by the runtime
+        return gp.wrapper.run(q, (k_cache, v_cache))
     if q.dtype not in _HALF:  # FlashInfer kernels are fp16 / bf16 only
         return attention.paged_attention_decode.backends["reference"].fn(
             q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
@@ -131,5 +178,6 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
 
 register_backend(attention.paged_attention_decode, "flashinfer", paged_attention_decode, available=torch.cuda.is_available,
                  priority=30, note="one plan per step, shared by all layers")
+attention.register_decode_plan("flashinfer", FlashInferDecodePlan)
 register_backend(attention.paged_attention_prefill, "flashinfer", paged_attention_prefill,
                  available=torch.cuda.is_available, priority=30, note="one plan per step, shared by all layers")

@@ -1,0 +1,185 @@
+"""Full-graph decode: a decode-only step replayed from a CUDA graph captured per batch size.
+
+A step whose rows are all decode rows (one token each) is padded to the next captured
+batch size B and run as one graph replay: the model's whole forward (every layer, the
+attention, GDN and KV ops included) was captured once at B, over fixed input buffers.
+Per step the host only
+
+  1. writes token ids, positions, KV slots and state slots of the rows into one pinned
+     staging buffer and copies it to the device buffers the graph reads (one copy);
+  2. refreshes the attention plan outside the graph: page indices go to a fixed device
+     buffer, and the backend's decode plan (ops.decode_graph_plan) writes its schedule into
+     the fixed buffers its captured kernels read;
+  3. replays the graph; the hidden states of the real rows are a view of its output.
+
+Padding rows (B - D of them) decode token 0 at position 0 over a page and a state slot
+that the cache manager set aside for them (`CacheManager(padding=True)`), so they never
+touch a request's KV or state; their outputs are dropped.
+
+Mode "static" runs the very same buffers and padding eagerly, without capturing: how the
+CPU tests check this path's inputs against the normal eager step, token for token.
+Prefill and mixed steps run eagerly (build a ForwardContext per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from mstar import ops
+from mstar.models.context import AttentionMetadata, ForwardContext, StateMetadata
+from mstar.runtime.step_inputs import StepRows, decode_arrays
+
+log = logging.getLogger("mstar.runtime")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
+                 max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool):
+        """num_pages: the KV pool's size; max_model_len bounds one row's pages."""
+        self.model = model
+        self.device = torch.device(device)
+        self.page_size = page_size
+        # models without attention (or without state) have no padding page (or slot)
+        self.pad_page, self.pad_slot = pad_page or 0, pad_slot or 0
+        self.capture_enabled = capture
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.has_attention = bool(model.attention_layers)
+        self.has_state = bool(model.state_layers)
+        pin = self.device.type == "cuda"
+        B = self.max_batch
+        per_seq = -(-max_model_len // page_size)
+        cap = lambda b: min(num_pages, b * per_seq) + b  # noqa: E731 -- page indices of b rows (+ padding)
+        max_pages = cap(B)
+        # rows: token ids, positions, KV slot of the new token, state slot
+        self._host = torch.zeros((4, B), dtype=torch.int64, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros((4, B), dtype=torch.int64, device=self.device)
+        self._idx_host = torch.zeros(max_pages, dtype=torch.int32, pin_memory=pin)
+        self._idx_dev = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
+        self._ptr_host = torch.zeros(B + 1, dtype=torch.int32)
+        self._last_host = torch.ones(B, dtype=torch.int32)
+        self.plans: dict[int, object] = {}
+        self.contexts: dict[int, ForwardContext] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        attn = model.attention_layers[0] if self.has_attention else None
+        empty32 = torch.zeros(0, dtype=torch.int32, device=self.device)
+        empty64 = torch.zeros(0, dtype=torch.int64, device=self.device)
+        for b in self.sizes:
+            md = None
+            if attn is not None:
+                plan = ops.decode_graph_plan(
+                    self.device, batch=b, max_pages=cap(b),
+                    num_q_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                    page_size=page_size, dtype=model.dtype, scale=attn.scale)
+                self.plans[b] = plan
+                zero1 = torch.zeros(1, dtype=torch.int32)
+                md = AttentionMetadata(slot_mapping=self._dev[2, :b], decode_kv_indptr=plan.indptr,
+                                       decode_kv_indices=plan.indices, decode_kv_last_page_len=plan.last_page_len,
+                                       prefill_qo_indptr=zero1, prefill_kv_indptr=zero1,
+                                       prefill_kv_indices=empty32, prefill_kv_last_page_len=empty32)
+            st = None
+            if self.has_state:
+                st = StateMetadata(decode_slots=self._dev[3, :b], prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32,
+                                                                                                 device=self.device),
+                                   prefill_slots=empty64, snap_token_idx=empty64, snap_slots=empty64)
+            self.contexts[b] = ForwardContext(input_ids=self._dev[0, :b], positions=self._dev[1, :b],
+                                              num_decode_tokens=b, attn=md, state=st)
+        self.capture_s = 0.0
+        self.graph_memory_bytes = 0
+
+    # --- capture --------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool. Logs time and memory."""
+        if not self.capture_enabled:
+            return
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.sizes):
+            self._stage_padding(b)
+            ctx = self.contexts[b]
+            # first use compiles / autotunes kernels: never inside a capture
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model.forward(ctx)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                self.outputs[b] = self.model.forward(ctx)
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        log.info("decode graphs: %d batch sizes (1..%d) captured in %.2f s, %.1f MiB of graph memory",
+                 len(self.sizes), self.max_batch, self.capture_s, self.graph_memory_bytes / 2**20)
+
+    def _stage_padding(self, b: int) -> None:
+        """Every row a padding row (capture and warm-up)."""
+        self._fill(b, 0, StepRows([], [], [], [], [], [], [], [], [], [], []))
+
+    # --- a step --------------------------------------------------------------------------------
+    def bucket(self, num_rows: int) -> int | None:
+        """The captured batch size a decode step of num_rows rows runs at (None: too many)."""
+        if num_rows > self.max_batch or num_rows < 1:
+            return None
+        for b in self.sizes:
+            if b >= num_rows:
+                return b
+        return None
+
+    def run(self, rows: StepRows) -> torch.Tensor:
+        """Hidden states [D, hidden] of a decode-only step (D = len(rows.decode_tokens))."""
+        d = len(rows.decode_tokens)
+        b = self.bucket(d)
+        self._fill(b, d, rows)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:d]
+        return self.model.forward(self.contexts[b])[:d]
+
+    def _fill(self, b: int, d: int, rows: StepRows) -> None:
+        ps = self.page_size
+        h = self._host_np
+        h[:, d:b] = ((0,), (0,), (self.pad_page * ps,), (self.pad_slot,))
+        if d:
+            pos, indptr, indices, last, slot = decode_arrays(rows, ps, self.has_attention)
+            h[0, :d] = rows.decode_tokens
+            h[1, :d] = pos
+            if self.has_attention:
+                h[2, :d] = slot
+            if self.has_state:
+                h[3, :d] = rows.decode_slots
+        self._dev[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        if not self.has_attention:
+            return
+        # page tables: real rows, then one page (the padding page, 1 token) per padding row
+        n_real = int(indptr[-1]) if d else 0
+        n = n_real + (b - d)
+        ptr, last_h, idx = self._ptr_host.numpy(), self._last_host.numpy(), self._idx_host.numpy()
+        if d:
+            ptr[:d + 1] = indptr
+            last_h[:d] = last
+            idx[:n_real] = indices
+        else:
+            ptr[0] = 0
+        ptr[d + 1:b + 1] = np.arange(n_real + 1, n + 1)
+        last_h[d:b] = 1
+        idx[n_real:n] = self.pad_page
+        self._idx_dev[:n].copy_(self._idx_host[:n], non_blocking=True)
+        self.plans[b].plan(self._ptr_host[:b + 1], self._idx_dev[:n], self._last_host[:b])

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: set up the bundle, untar carried caches, run the stages given as
+# arguments (each "NAME:LIMIT_S:COMMAND"), pack the kernel caches back into $OUT.
+#   bash notes/tools/gpu_call.sh "tests:300:python3 -m pytest -m gpu -q tests/test_decode_graphs.py"
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source .gpu/setup.sh
+export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
+if [ -d kernel_cache_in ]; then cat kernel_cache_in/kcache.tgz.* 2>/dev/null | tar xzf - 2>/dev/null; fi
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; fi
+for spec in "$@"; do
+  name=${spec%%:*}; rest=${spec#*:}; limit=${rest%%:*}; cmd=${rest#*:}
+  echo "=== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
+  timeout "$limit" bash -c "$cmd" > /tmp/stage.log 2>&1; rc=$?
+  cat /tmp/stage.log >> "$OUT/log"; tail -n 40 /tmp/stage.log
+  echo "=== $name rc=$rc" | tee -a "$OUT/log"
+done
+if [ "${PACK_CACHE:-1}" = 1 ]; then tar czf - kernel_cache 2>/dev/null | split -b 15m - "$OUT/kcache.tgz."; fi

@@ -1,0 +1,111 @@
+"""The graph-replayed decode path (runtime/cuda_graphs.py) on CPU: mode "static" runs the
+graphs' fixed buffers, padding rows and page-table refresh without capturing. Its tokens
+must equal the eager path's and HF's, for batches that fill a captured size exactly, need
+padding, cross page boundaries and shrink as requests finish; the padding rows must not
+touch any request's pages or state slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts, run_all
+from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
+from mstar.runtime.cuda_graphs import capture_sizes
+from mstar.runtime.request import EngineRequest, SamplingParams
+
+KINDS = ["qwen3.5", "qwen3"]
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[-3:] == [240, 248, 256]
+    assert capture_sizes(256)[:5] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_static_graph_decode_matches_eager_and_hf(kind):
+    ps = prompts(11, 3, 40, seed=31)
+    # different max_tokens: the batch shrinks through several captured sizes
+    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=12 + 2 * i, temperature=0.0, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(ps)]
+    core = engine(kind, page_size=4, max_num_seqs=16, max_graph_batch=16, decode_graphs="static")
+    assert core.graphs is not None and core.graphs.sizes == [1, 2, 4, 8, 16]
+    calls = []
+    run = core.graphs.run
+    core.graphs.run = lambda rows: calls.append(len(rows.decode_tokens)) or run(rows)
+    got = run_all(core, reqs())
+    assert calls and max(calls) == 11 and min(calls) == 1  # padded 11 -> 16, ..., down to 1
+    eager = run_all(engine(kind, page_size=4, max_num_seqs=16, decode_graphs="off"), reqs())
+    assert got == eager
+    for i, p in enumerate(ps):
+        assert got[str(i)][0] == hf_greedy(kind, p, 12 + 2 * i)
+    assert_no_leaks(core)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_rows_touch_only_the_padding_page_and_slot(kind):
+    core = engine(kind, page_size=4, max_num_seqs=8, decode_graphs="static")
+    cm = core.cm
+    assert cm.pad_page == cm.num_pages
+    caches = cm.caches
+    # 3 rows run at batch 4: one padding row per decode step
+    for i, p in enumerate(prompts(3, 5, 9, seed=2)):
+        core.add_request(EngineRequest(str(i), p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
+    core.step()  # prefill (eager)
+    before = [t.clone() for t in (*caches.k_caches, *caches.v_caches, *caches.conv_states, *caches.recurrent_states)]
+    core.step()  # one decode step through the graph path, padded 3 -> 4
+    used_pages = {pg for r in ("0", "1", "2") for pg in cm.pages(r)}  # (with the pages this step took)
+    used_slots = {cm.slot(r) for r in ("0", "1", "2")} if core.has_state else set()
+    after = (*caches.k_caches, *caches.v_caches, *caches.conv_states, *caches.recurrent_states)
+    n_kv = 2 * len(caches.k_caches)
+    for j, (b, a) in enumerate(zip(before, after)):
+        changed = (b != a).flatten(1).any(1).nonzero().flatten().tolist()
+        if j < n_kv:
+            assert set(changed) <= used_pages | {cm.pad_page}, changed
+            assert cm.pad_page in changed  # the padding row wrote its K/V there
+        else:
+            assert set(changed) <= used_slots | {cm.pad_slot}, changed
+    while core.has_unfinished():
+        core.step()
+    assert_no_leaks(core)
+
+
+def test_graphs_off_on_cpu_by_default_and_config_checked():
+    core = engine("qwen3.5", max_num_seqs=4)
+    assert core.graphs is None and core.cm.pad_page is None
+    from mstar.runtime.config import EngineConfig
+    with pytest.raises(ValueError, match="decode_graphs"):
+        EngineConfig(decode_graphs="sometimes")
+    with pytest.raises(ValueError, match="max_graph_batch"):
+        EngineConfig(max_graph_batch=0)
+
+
+def test_larger_batches_than_captured_run_eagerly():
+    core = engine("qwen3", page_size=4, max_num_seqs=8, max_graph_batch=2, decode_graphs="static")
+    assert core.graphs.sizes == [1, 2]
+    ps = prompts(5, 3, 12, seed=5)
+    got = run_all(core, [EngineRequest(str(i), p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+                         for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert got[str(i)][0] == hf_greedy("qwen3", p, 5)
+    assert_no_leaks(core)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_graph_decode_matches_eager(kind):
+    ps = prompts(13, 3, 60, seed=3)
+    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(ps)]
+    opts = dict(device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16)
+    g = engine(kind, **opts)
+    assert g.graphs is not None and g.graphs.graphs, "graphs were not captured"
+    got = run_all(g, reqs())
+    ref = run_all(engine(kind, decode_graphs="off", **opts), reqs())
+    # bf16: the same kernels on the same inputs; graphs replay them, so tokens are equal
+    assert got == ref
