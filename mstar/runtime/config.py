@@ -48,6 +48,8 @@ class EngineConfig:
     # capturing (any device: how CPU tests check the graph path's inputs)
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
+    # torch.compile the model's forward (compiled_forward.py): "auto" on CUDA, "on", "off"
+    compile: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -77,6 +79,8 @@ class EngineConfig:
         pos("max_num_batched_tokens")
         pos("tp")
         pos("max_graph_batch")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile: must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.decode_graphs not in ("auto", "off", "static"):
             raise ValueError(f"decode_graphs: must be 'auto', 'off' or 'static', got {self.decode_graphs!r}")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

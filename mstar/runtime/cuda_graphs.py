@@ -45,10 +45,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
+    def __init__(self, model, forward, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
                  max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool):
         """num_pages: the KV pool's size; max_model_len bounds one row's pages."""
         self.model = model
+        self.forward = forward  # model.forward, or its compiled version
         self.device = torch.device(device)
         self.page_size = page_size
         # models without attention (or without state) have no padding page (or slot)
@@ -117,11 +118,11 @@ class DecodeGraphRunner:
             # first use compiles / autotunes kernels: never inside a capture
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model.forward(ctx)
+                self.forward(ctx)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
-                self.outputs[b] = self.model.forward(ctx)
+                self.outputs[b] = self.forward(ctx)
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
@@ -151,7 +152,7 @@ class DecodeGraphRunner:
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:d]
-        return self.model.forward(self.contexts[b])[:d]
+        return self.forward(self.contexts[b])[:d]
 
     def _fill(self, b: int, d: int, rows: StepRows) -> None:
         ps = self.page_size

@@ -60,6 +60,11 @@ class EngineCore:
             model = load_model(config.model, dtype=self.dtype, device=self.device,
                                random_weights=config.random_weights, seed=config.seed)
         self.model = model
+        # what a step calls: the model's forward, compiled unless asked not to (tp: eager)
+        self.forward = model.forward
+        if config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda" and self.tp is None):
+            from mstar.runtime.compiled_forward import CompiledForward
+            self.forward = CompiledForward(model)
         if tokenizer is None:
             tokenizer = _try_tokenizer(config.model)
         self.tokenizer = tokenizer
@@ -133,7 +138,7 @@ class EngineCore:
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
         from mstar.runtime.cuda_graphs import DecodeGraphRunner
-        runner = DecodeGraphRunner(self.model, device=self.device, page_size=sizes.page_size,
+        runner = DecodeGraphRunner(self.model, self.forward, device=self.device, page_size=sizes.page_size,
                                    max_batch=min(config.max_graph_batch, config.max_num_seqs),
                                    num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
                                    pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto")
@@ -275,7 +280,7 @@ class EngineCore:
             ctx, n_sample = self.inputs.build(rows)
             if pt is not None:
                 pt.before_forward()
-            hidden = self.model.forward(ctx)
+            hidden = self.forward(ctx)
             if n_sample:
                 hidden = hidden[ctx.logits_indices]
         if pt is not None:
