@@ -136,13 +136,6 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     s.head_dim ** -0.5),
                     bytes=2 * b * ctx * s.kv_heads * s.head_dim * es,
                     flops=4 * b * s.q_heads * ctx * s.head_dim))
-                v = s.vocab
-                cases.append(Case("sample", f"{lab} vocab{v}", lambda b=b, v=v: (
-                    torch.randn(b, v, device=dev), torch.full((b,), 0.8, device=dev),
-                    torch.full((b,), 50, dtype=torch.int64, device=dev), torch.full((b,), 0.9, device=dev),
-                    torch.zeros(b, device=dev), torch.arange(b, dtype=torch.int64, device=dev),
-                    torch.zeros(b, dtype=torch.int64, device=dev), 0),
-                    bytes=b * v * 4, flops=5 * b * v))
             else:
                 cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
                 cases.append(Case("causal_conv1d_prefill", lab, lambda t=t, c=c, kk=kk, cu=cu: (
@@ -166,7 +159,36 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     rnd(t, s.q_heads, s.head_dim), *_pp(t, s, dtype, dev), s.head_dim ** -0.5),
                     bytes=(2 * t * s.q_heads + 2 * t * s.kv_heads) * s.head_dim * es,
                     flops=2 * s.q_heads * s.head_dim * t * (t + 1)))
+    cases += _sample_cases(sz["decode"], SHAPES[0].vocab, dev)
     return cases
+
+
+# Sampler mixes: (temperature, top_k, top_p, min_p). Same vocabulary for both models, so once.
+SAMPLE_MIXES = (("greedy", 0.0, 0, 1.0, 0.0), ("temperature", 0.8, 0, 1.0, 0.0), ("top-k50", 0.8, 50, 1.0, 0.0),
+                ("top-p0.9", 0.8, 0, 0.9, 0.0))
+
+
+def lm_logits(b: int, v: int, device) -> torch.Tensor:
+    """Logits shaped like a language model's (float32 holding bf16 values, as compute_logits
+    returns them): a Gaussian bulk and a heavy head of 64 tokens per row, so top-p 0.9 keeps
+    tens of tokens rather than half the vocabulary (plain randn logits are far flatter)."""
+    lg = torch.randn(b, v, device=device) * 2
+    head = torch.randint(0, v, (b, 64), device=device)
+    lg.scatter_add_(1, head, 10 + 3 * torch.randn(b, 64, device=device))
+    return lg.to(torch.bfloat16).float()
+
+
+def _sample_cases(batches, v: int, dev) -> list[Case]:
+    out = []
+    for b in batches:
+        for tag, t, k, p, mp in SAMPLE_MIXES:
+            out.append(Case("sample", f"vocab{v} bs{b} {tag}", lambda b=b, t=t, k=k, p=p, mp=mp: (
+                lm_logits(b, v, dev), torch.full((b,), t, device=dev),
+                torch.full((b,), k, dtype=torch.int64, device=dev), torch.full((b,), p, device=dev),
+                torch.full((b,), mp, device=dev), torch.arange(b, dtype=torch.int64, device=dev) * 7919,
+                torch.full((b,), 3, dtype=torch.int64, device=dev), 0),
+                bytes=b * v * 4, flops=5 * b * v))
+    return out
 
 
 def _pd(kv):

@@ -111,11 +111,11 @@ def test_compiled_forward_with_static_graph_path_matches_hf():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("model", ["tiny-qwen3.5", "tiny-qwen3"])
-@pytest.mark.parametrize("compile", ["off", "auto"])
+@pytest.mark.parametrize("compile", ["off", "on"])
 def test_cuda_graph_decode_matches_eager(model, compile):
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
-    ps = prompts(13, 3, 60, seed=3)
+    ps = [[t % 259 for t in p] for p in prompts(13, 3, 60, seed=3)]  # the tiny presets' vocab
     reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(ps)]
     opts = dict(model=model, device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16, max_model_len=256)

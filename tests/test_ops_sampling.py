@@ -1,5 +1,6 @@
 """The sample op (greedy, temperature, top-k / top-p / min-p, counter-based randomness,
-logprobs) and apply_penalties.
+logprobs) and apply_penalties; the fast backend `torch_topk` (the default) against the
+full-sort reference, token for token.
 
 Statistical checks use fixed seeds (so they are deterministic) and N = 20000 draws: every
 empirical frequency must lie within 5 standard deviations sqrt(p(1-p)/N) of its float64
@@ -10,10 +11,21 @@ import math
 import pytest
 import torch
 
-from mstar import ops
+from mstar import knobs, ops
+from mstar.ops import sampling
 from mstar.ops.sampling import uniform_noise
 
 N = 20000
+REF = ops.sample.backends["reference"].fn
+FAST = ops.sample.backends["torch_topk"].fn
+
+
+@pytest.fixture(params=["reference", "torch_topk"])
+def backend(request):
+    """Run a test on each backend of `sample` (selected by the knob, as in production)."""
+    with knobs.override(MSTAR_BACKENDS=f"sample={request.param}"):
+        assert ops.sample.selected("cpu") == request.param
+        yield request.param
 
 
 def _params(B, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
@@ -80,7 +92,7 @@ def test_greedy_is_argmax():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
-def test_distribution_matches_softmax(temperature):
+def test_distribution_matches_softmax(temperature, backend):
     gen = torch.Generator().manual_seed(1)
     V = 12
     logits = torch.randn(V, generator=gen) * 1.5
@@ -108,7 +120,7 @@ _P = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.08, 0.06, 0.04, 0.03, 0.015, 0.005]
     (1.0, 1, 1.0, 0.0, 1),
     (1.0, 0, 0.1, 0.0, 1),
 ])
-def test_filters_stay_in_allowed_set(temperature, top_k, top_p, min_p, n_allowed):
+def test_filters_stay_in_allowed_set(temperature, top_k, top_p, min_p, n_allowed, backend):
     gen = torch.Generator().manual_seed(2)
     perm = torch.randperm(len(_P), generator=gen)  # sorted order != index order
     logits = (_P.log() + 3.0)[perm]
@@ -131,7 +143,7 @@ def _mixed_batch(B, V, gen):
     return logits, temperature, top_k, top_p, min_p, seeds, steps
 
 
-def test_batch_independence():
+def test_batch_independence(backend):
     gen = torch.Generator().manual_seed(3)
     B, V = 16, 5000
     args = _mixed_batch(B, V, gen)
@@ -146,7 +158,7 @@ def test_batch_independence():
         assert l1.item() == lp[i].item() and torch.equal(i1[0], ti[i])
 
 
-def test_reproducible_and_steps_differ():
+def test_reproducible_and_steps_differ(backend):
     V = 1000
     logits = torch.zeros(1, V)  # uniform: any change of randomness changes the token
     p = _params(1)
@@ -179,7 +191,7 @@ def test_noise_is_uniform_and_decorrelated():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logprobs(dtype):
+def test_logprobs(dtype, backend):
     gen = torch.Generator().manual_seed(4)
     B, V = 6, 3000
     args = _mixed_batch(B, V, gen)
@@ -222,7 +234,7 @@ def test_apply_penalties_vs_loop():
     assert torch.equal(out[0], logits[0])  # neutral penalties
 
 
-def test_opcheck():
+def test_opcheck(backend):
     gen = torch.Generator().manual_seed(6)
     args = _mixed_batch(5, 300, gen)
     for n in (3, 0):
@@ -241,3 +253,167 @@ def test_greedy_sample_equals_sample_at_temperature_zero():
     for a, b in zip(full, fast):
         assert torch.equal(a, b)
     assert fast[0][0].item() == 10
+
+
+# --- the fast backend against the reference ----------------------------------------------------
+
+def _pick(gen, B, choices, dtype):
+    c = torch.tensor(choices, dtype=dtype)
+    return c[torch.randint(0, len(c), (B,), generator=gen)]
+
+
+def _random_params(B, V, gen):
+    """A random mix of parameters per row: greedy, tiny and large temperatures, top-k from 1 to
+    beyond V (and -1 / 0 / V), top-p from 0 to just below 1, min-p from 0 to 1."""
+    temperature = _pick(gen, B, [0.0, 0.05, 0.7, 1.0, 1.9], torch.float32)
+    temperature = torch.where(torch.rand(B, generator=gen) < 0.3, torch.rand(B, generator=gen) * 2, temperature)
+    top_k = _pick(gen, B, [-1, 0, 0, 0, 1, 2, 7, 50, 50, min(1500, V), V - 1, V, V + 3, 10 ** 9, min(5000, V - 1)],
+                  torch.int64)
+    top_p = _pick(gen, B, [1.0, 1.0, 1.0, 0.0, 1e-7, 0.3, 0.9, 0.999, 1 - 1e-7], torch.float32)
+    top_p = torch.where(torch.rand(B, generator=gen) < 0.2, torch.rand(B, generator=gen), top_p)
+    min_p = _pick(gen, B, [0.0, 0.0, 0.0, 0.01, 0.2, 0.9, 1.0], torch.float32)
+    min_p = torch.where(torch.rand(B, generator=gen) < 0.1, torch.rand(B, generator=gen) * 0.3, min_p)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (B,), generator=gen)
+    steps = torch.randint(0, 5000, (B,), generator=gen)
+    return temperature, top_k, top_p, min_p, seeds, steps
+
+
+def _lm_logits(B, V, gen):
+    """Peaked like a language model's: a Gaussian bulk and a heavy head of 32 tokens per row."""
+    lg = torch.randn(B, V, generator=gen) * 2
+    head = torch.randint(0, V, (B, 32), generator=gen)
+    return lg.scatter_add(1, head, 9 + 3 * torch.randn(B, 32, generator=gen))
+
+
+def _logits(kind, B, V, gen):
+    if kind == "randn":
+        return torch.randn(B, V, generator=gen) * 3
+    if kind == "lm":
+        return _lm_logits(B, V, gen)
+    if kind == "bf16":  # coarse values: many ties, also at the K-th candidate
+        return (_lm_logits(B, V, gen) * 2).to(torch.bfloat16)
+    if kind == "ints":  # thousands of ties per value
+        return torch.randint(-3, 3, (B, V), generator=gen).float()
+    if kind == "masked":  # most of the vocabulary at -inf (min_tokens, grammar masks)
+        lg = torch.randn(B, V, generator=gen) * 4
+        lg[torch.rand(B, V, generator=gen) < 0.95] = float("-inf")
+        lg[0] = 0.0  # one constant row
+        lg[1] = float("-inf")  # one row with a single allowed token
+        lg[1, V // 2] = 2.0
+        lg[2] = float("-inf")  # one row with none (NaN logprobs; the reference's token is 0)
+        return lg
+    raise ValueError(kind)
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0]), f"tokens differ in rows {torch.nonzero(got[0] != want[0]).flatten().tolist()}"
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[3], want[3], atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["randn", "lm", "bf16", "ints", "masked"])
+@pytest.mark.parametrize("V", [9, 700, 3000, 6000, 20000])  # 6000: K = 1536 candidates, 20000: K = 1024
+def test_torch_topk_same_tokens_as_reference(kind, V):
+    gen = torch.Generator().manual_seed(V * 7 + len(kind))
+    B = 96
+    logits = _logits(kind, B, V, gen)
+    args = (logits, *_random_params(B, V, gen))
+    _assert_same(FAST(*args, 4), REF(*args, 4))
+    # a row's outputs are its own: the same alone (other plan, other candidate count)
+    for b in (0, 1, 5, 17):
+        one = FAST(*(a[b:b + 1] for a in args), 4)
+        _assert_same(one, tuple(x[b:b + 1] for x in REF(*args, 4)))
+
+
+@pytest.mark.parametrize("mix", ["temperature", "top-k 50", "top-p 0.9", "top-k 50 + top-p 0.9", "min-p 0.05",
+                                 "top-p 0.9 + min-p 0.05", "top-k 3000"])
+def test_planned_path_decides_common_rows_without_the_reference(mix):
+    """On language-model-like logits the fast stages decide every row (no redo by the
+    reference), and every decided row is the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    B, V = 24, 40000
+    logits = _lm_logits(B, V, gen)
+    T, k, p, mp = {"temperature": (0.8, 0, 1.0, 0.0), "top-k 50": (0.8, 50, 1.0, 0.0),
+                   "top-p 0.9": (0.8, 0, 0.9, 0.0), "top-k 50 + top-p 0.9": (0.8, 50, 0.9, 0.0),
+                   "min-p 0.05": (1.0, 0, 1.0, 0.05), "top-p 0.9 + min-p 0.05": (1.1, 0, 0.9, 0.05),
+                   "top-k 3000": (1.0, 3000, 1.0, 0.0)}[mix]
+    f = lambda v, dt: torch.full((B,), v, dtype=dt)  # noqa: E731
+    params = (f(T, torch.float32), f(k, torch.int64), f(p, torch.float32), f(mp, torch.float32),
+              torch.randint(0, 2 ** 40, (B,), generator=gen), torch.randint(0, 999, (B,), generator=gen))
+    plan = sampling.make_plan(*(x.numpy() for x in params[:4]), V)
+    out = sampling.sample_planned(logits, *params, 3, plan)
+    assert bool(out[4].all()), f"{int((~out[4]).sum())} rows left to the reference"
+    _assert_same(out[:4], REF(logits, *params, 3))
+
+
+def test_plan_classifies_rows():
+    V = 10000
+    T = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
+    k = [0, 0, 50, 0, 5000, V, 0, 4095]
+    p = [1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 0.5]
+    mp = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0]
+    plan = sampling.make_plan(T, k, p, mp, V)
+    assert plan.full_rows == (1, 5, 6) and plan.full_minp  # temperature / min-p only (k = V is no top-k)
+    assert plan.ref_rows == (4,)  # top-k between the candidate bound and V
+    assert plan.candidates == 4096 and plan.full_norm and plan.any_greedy and not plan.complete
+    assert sampling.make_plan([0.0, 0.0], [5, 0], [1.0, 0.3], [0.0, 0.0], V) == sampling.SamplePlan(
+        0, False, (), False, (), True, True)
+    small = sampling.make_plan([1.0], [0], [0.9], [0.0], 500)  # candidates cover a small vocabulary
+    assert small.candidates == 500 and small.complete and not small.full_norm
+    # host values are compared as the device's float32: top_p = 1 - 1e-9 is 1.0 there
+    assert sampling.make_plan([1.0], [0], [1 - 1e-9], [0.0], V).full_rows == (0,)
+
+
+def test_escaping_top_p_rows_are_flagged_and_redone():
+    """Flat logits: top-p 0.99 keeps far more than the candidates. The planned path flags those
+    rows (or proves the winner by the Gumbel bound); the op backend redoes them."""
+    gen = torch.Generator().manual_seed(12)
+    B, V = 16, 30000
+    logits = torch.randn(B, V, generator=gen)
+    logits[3, 7] = 60.0  # a row whose winner beats anything outside the candidates
+    f = lambda v, dt: torch.full((B,), v, dtype=dt)  # noqa: E731
+    params = (f(1.0, torch.float32), f(0, torch.int64), f(0.99, torch.float32), f(0.0, torch.float32),
+              torch.arange(B), torch.zeros(B, dtype=torch.int64))
+    plan = sampling.make_plan(*(x.numpy() for x in params[:4]), V)
+    out = sampling.sample_planned(logits, *params, 0, plan)
+    want = REF(logits, *params, 0)
+    ex = out[4]
+    assert bool(ex[3]) and int(ex.sum()) < B
+    assert torch.equal(out[0][ex], want[0][ex])
+    _assert_same(FAST(logits, *params, 0), want)
+
+
+def test_full_pass_breaks_noisy_ties_like_the_reference(monkeypatch):
+    """Two tokens with the same logit + noise, in different column chunks: the reference takes
+    the one with the larger logit (sorted first), not the lower index."""
+    monkeypatch.setattr(sampling, "_CPU_CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(sampling, "_CPU_CHUNK_MIN", 1024)
+    V = 5000
+    seeds, steps = torch.tensor([77]), torch.tensor([5])
+    g = -torch.log(-torch.log(uniform_noise(seeds, steps, V)))[0]
+    i, j = 100, 4000  # chunks 0 and 3
+    logits = torch.full((1, V), -50.0)
+    logits[0, i] = 3.0
+    target = logits[0, i] + g[i]
+    x = target - g[j]
+    for _ in range(64):  # step the logit until its noisy value lands exactly on the target
+        s = x + g[j]
+        if s == target:
+            break
+        x = torch.nextafter(x, torch.tensor(float("inf")) if s < target else torch.tensor(float("-inf")))
+    assert x + g[j] == target and x != logits[0, i]
+    logits[0, j] = x
+    params = (torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.zeros(1), seeds, steps)
+    want = REF(logits, *params, 0)[0]
+    assert want.item() == (i if logits[0, i] > x else j)
+    assert FAST(logits, *params, 0)[0].item() == want.item()
+    assert sampling._gumbel_argmax(logits, seeds, steps).item() == want.item()
+
+
+def test_gumbel_bound_covers_the_noise():
+    # the largest u the noise can give, through the same float32 ops as the samplers
+    u_max = torch.tensor([(2 ** 24 - 1) * 2.0 ** -24], dtype=torch.float32)
+    assert (-torch.log(-torch.log(u_max))).item() < sampling._G_BOUND
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    assert (-torch.log(-torch.log(u))).max().item() < sampling._G_BOUND

@@ -1,11 +1,13 @@
 """Sampler: per-row parameters gathered by row, incremental penalty state, min_tokens
-masking, logprobs, and batch-independence of seeded draws."""
+masking, logprobs, batch-independence of seeded draws, and its planned (sync-free) path against
+the reference op."""
 
 from __future__ import annotations
 
 import torch
 
-from mstar import ops
+from mstar import knobs, ops
+from mstar.ops import sampling
 from mstar.runtime.request import SamplingParams
 from mstar.runtime.sampler import Sampler
 
@@ -105,3 +107,58 @@ def test_rows_are_recycled():
     s.release(-1)  # a sequence without a row: ignored
     assert s.num_free == 1
     assert s.add(SamplingParams(), 0, [], []) == r[0]
+
+
+def _mixed_sampler(V):
+    s = Sampler(16, V, "cpu")
+    plist = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, seed=1),
+             SamplingParams(temperature=0.8, top_k=50, logprobs=1), SamplingParams(temperature=0.8, top_p=0.9),
+             SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.0, top_p=0.99, logprobs=3),
+             SamplingParams(temperature=0.7, top_k=4500), SamplingParams(temperature=1.2, top_k=7, top_p=0.5,
+                                                                        min_p=0.1, repetition_penalty=1.3)]
+    rows = [s.add(p, 100 + i, [1, 2, 3], []) for i, p in enumerate(plist)]
+    return s, rows
+
+
+def test_planned_path_equals_the_reference_op():
+    """The Sampler's own plan (no sync) against `MSTAR_BACKENDS=sample=reference`, over steps, with
+    rows the fast stages leave to the reference (flat logits under top-p 0.99) and penalties."""
+    V = 6000
+    fast, rows = _mixed_sampler(V)
+    ref, rows_r = _mixed_sampler(V)
+    assert rows == rows_r
+    gen = torch.Generator().manual_seed(3)
+    redone = 0
+    for step in range(4):
+        lg = torch.randn(len(rows), V, generator=gen) * 2
+        lg[:, :40] += 9  # a peaked head for most rows
+        lg[5] = torch.randn(V, generator=gen)  # flat: top-p 0.99 keeps far more than the candidates
+        plan = sampling.make_plan(fast._fhost[0, rows], fast._top_k[rows], fast._fhost[1, rows], fast._fhost[2, rows], V)
+        assert plan.ref_rows == (6,) and not plan.complete
+        out = sampling.sample_planned(lg.clone(), *_row_params(fast, rows, step), 0, plan)
+        redone += int((~out[4]).sum())
+        got = fast.sample(lg.clone(), rows, [step] * len(rows))
+        with knobs.override(MSTAR_BACKENDS="sample=reference"):
+            want = ref.sample(lg.clone(), rows, [step] * len(rows))
+        assert got.tokens == want.tokens
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.top_ids == b.top_ids and abs(a.logprob - b.logprob) < 1e-5
+        assert torch.equal(fast.output_counts, ref.output_counts)  # counted with the final tokens
+    assert redone >= 1  # the redo path ran
+
+
+def _row_params(s, rows, step):
+    r = torch.tensor(rows)
+    return (s.fparams[0, r], s.iparams[0, r], s.fparams[1, r], s.fparams[2, r], s.iparams[1, r],
+            torch.full((len(rows),), step, dtype=torch.int64))
+
+
+def test_verify_mode_goes_through_the_op():
+    s, rows = _mixed_sampler(V)
+    ops.reset_verify_report()
+    with knobs.override(MSTAR_VERIFY=True):
+        s.sample(logits_for(len(rows), seed=4), rows, [0] * len(rows))
+    rep = ops.verify_report()
+    assert rep["sample"]["calls"] == 1 and rep["sample"]["max_abs_diff"] == 0.0

@@ -48,7 +48,8 @@ class EngineConfig:
     # capturing (any device: how CPU tests check the graph path's inputs)
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
-    # torch.compile the model's forward (compiled_forward.py): "auto" on CUDA, "on", "off"
+    # torch.compile the model's forward (compiled_forward.py): "on" or "off"; "auto" is off
+    # until it measures faster (recompiles per new 0/1-sized input cost minutes on the H200)
     compile: str = "auto"
 
     def __post_init__(self):

@@ -62,7 +62,7 @@ class EngineCore:
         self.model = model
         # what a step calls: the model's forward, compiled unless asked not to (tp: eager)
         self.forward = model.forward
-        if config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda" and self.tp is None):
+        if config.compile == "on" and self.tp is None:
             from mstar.runtime.compiled_forward import CompiledForward
             self.forward = CompiledForward(model)
         if tokenizer is None:

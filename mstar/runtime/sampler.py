@@ -14,6 +14,14 @@ reached min_tokens are masked to -inf before sampling (one indexed write).
 
 Randomness: `ops.sample` is counter-based on (seed, step) with step = the index of the
 output token being drawn, so a sequence's tokens do not depend on the batch around it.
+
+The path per step is chosen on the host, from host mirrors of the parameters (no device
+sync): an all-greedy batch takes `greedy_sample`; otherwise, when `sample`'s selected backend
+is `torch_topk` (or another of `sampling.PLANNED_BACKENDS`), `sampling.make_plan` +
+`sampling.sample_planned` (no full-vocabulary sort);
+the rows it flags as undecided are read back with the tokens (the one readback the step
+already has) and redone by the reference. Any other selection (`MSTAR_BACKENDS=sample=...`,
+verify mode) calls `ops.sample` itself.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mstar import ops
+from mstar import knobs, ops
+from mstar.ops import sampling
 from mstar.runtime.request import SamplingParams, TokenLogprobs
 
 # columns of the float parameter table
@@ -49,6 +58,9 @@ class Sampler:
         self._uses_penalty = np.zeros(max_rows, dtype=bool)
         self._num_logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: no logprobs
         self._greedy = np.zeros(max_rows, dtype=bool)
+        # temperature, top_p, min_p as float32 (the device's values) and top_k: the plan's inputs
+        self._fhost = np.zeros((3, max_rows), dtype=np.float32)
+        self._top_k = np.zeros(max_rows, dtype=np.int64)
         self._free = list(range(max_rows - 1, -1, -1))
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
@@ -71,6 +83,8 @@ class Sampler:
         self._uses_penalty[row] = pen
         self._num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self._greedy[row] = params.temperature <= 0
+        self._fhost[:, row] = fp[[_T, _TOP_P, _MIN_P]].numpy()
+        self._top_k[row] = params.top_k
         if pen:
             self._ensure_penalty_tensors()
             self.prompt_mask[row].zero_()
@@ -142,11 +156,29 @@ class Sampler:
 
         nlp = self._num_logprobs[rows_np]
         n_top = int(nlp.max()) if B else -1
+        plan = None
         if self._greedy[rows_np].all():  # no sort over the vocabulary for an all-greedy batch
             tokens, tok_lp, top_ids, top_lp = ops.greedy_sample(logits, max(n_top, 0))
         else:
-            tokens, tok_lp, top_ids, top_lp = ops.sample(
-                logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t, max(n_top, 0))
+            args = (logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t)
+            backend = ops.sample.selected(self.device.type)
+            if backend in sampling.PLANNED_BACKENDS and not knobs.value("MSTAR_VERIFY"):
+                plan = sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
+                                          self._fhost[2, rows_np], V)
+                out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend])
+                tokens, tok_lp, top_ids, top_lp, _ = out
+            else:
+                tokens, tok_lp, top_ids, top_lp = ops.sample(*args, max(n_top, 0))
+
+        if plan is not None and not plan.complete:
+            # the exact flags come back with the tokens, in the same copy
+            tok_list, ok = torch.stack([tokens, out[4].to(torch.int64)]).tolist()
+            bad = [b for b in range(B) if not ok[b]]
+            if bad:  # rare: rows the fast stages could not decide, redone by the reference
+                for b, t in zip(bad, sampling.redo_rows(out, bad, *args).tolist()):
+                    tok_list[b] = t
+        else:
+            tok_list = tokens.tolist()
 
         if pen.any():
             b_idx = torch.from_numpy(np.nonzero(pen)[0]).to(self.device, non_blocking=True)
@@ -154,7 +186,6 @@ class Sampler:
                                           torch.ones(b_idx.shape[0], dtype=torch.int32, device=self.device),
                                           accumulate=True)
 
-        tok_list = tokens.tolist()
         lps = None
         if n_top >= 0:
             lp_l = tok_lp.tolist()
