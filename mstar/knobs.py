@@ -90,8 +90,13 @@ KNOBS: tuple[Knob, ...] = (
          "Path to libcute_dsl_runtime.so for loading CuTe kernels compiled ahead of time."),
     # --- runtime ---------------------------------------------------------------------------
     Knob("MSTAR_PAGE_SIZE", "int", 16,
-         "Tokens per KV page (also the prefix-cache granule and GDN snapshot stride).",
+         "Tokens per KV page (also the prefix-cache granule and GDN snapshot stride with MSTAR_GDN_SNAPSHOTS=page).",
          minimum=1),
+    Knob("MSTAR_GDN_SNAPSHOTS", "choice", "chunk-end",
+         "Where prefill keeps prefix-cache snapshots of the GDN state: chunk-end = at the last page "
+         "boundary of each prefill chunk (one GDN prefill call per row); page = at every page boundary "
+         "(prefix hits at any page, but the GDN prefill then runs one call per page: ~0.5 s per 2048-token "
+         "step on the 0.8B preset).", choices=("chunk-end", "page")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

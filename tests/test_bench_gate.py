@@ -20,11 +20,11 @@ LEVEL_FIELDS = {"n", "num_prompts", "exact_match", "first_token_agree", "first_t
                 "mstar_wall_s", "hf_wall_s", "pass"}
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3.5", "tiny-qwen3"])
-def test_gate_passes_in_fp32(model, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("model, extra", [("tiny-qwen3.5", []), ("tiny-qwen3", ["--hf-single"])])
+def test_gate_passes_in_fp32(model, extra, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
     out = tmp_path / "gate.json"
-    rc = gate.main(["--model", model, *SMALL, "--batch-sizes", "1", "4", "--strict", "--out", str(out)])
+    rc = gate.main(["--model", model, *SMALL, "--batch-sizes", "1", "4", "--strict", *extra, "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "GATE PASS" in printed
@@ -33,6 +33,7 @@ def test_gate_passes_in_fp32(model, tmp_path, capsys, monkeypatch):
     assert r["pass"] and r["strict"] and r["commit"] == "abc1234" and r["dtype"] == "float32"
     assert r["device"] == "cpu" and r["model"] == model and r["batch_sizes"] == [1, 4]
     assert [lv["n"] for lv in r["levels"]] == [1, 4]
+    assert r["hf_single"] == bool(extra) and [lv["hf_batch"] for lv in r["levels"]] == ([1, 1] if extra else [1, 4])
     for lv in r["levels"]:
         assert LEVEL_FIELDS <= set(lv)
         assert lv["exact_match"] == lv["first_token_agree"] == 6, lv

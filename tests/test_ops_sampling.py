@@ -417,3 +417,25 @@ def test_gumbel_bound_covers_the_noise():
     assert (-torch.log(-torch.log(u_max))).item() < sampling._G_BOUND
     u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
     assert (-torch.log(-torch.log(u))).max().item() < sampling._G_BOUND
+
+
+def test_redo_tries_more_candidates_before_the_reference(monkeypatch):
+    """Flat logits, top-p 0.9: the kept set (~2000 tokens) escapes 1024 candidates but not 16384;
+    the redo decides the rows there, without the full sort."""
+    gen = torch.Generator().manual_seed(13)
+    B, V = 6, 50000
+    logits = torch.randn(B, V, generator=gen) * 3
+    f = lambda v, dt: torch.full((B,), v, dtype=dt)  # noqa: E731
+    params = (f(1.0, torch.float32), f(0, torch.int64), f(0.9, torch.float32), f(0.0, torch.float32),
+              torch.arange(B), torch.zeros(B, dtype=torch.int64))
+    want = REF(logits, *params, 2)
+    plan = sampling.make_plan(*(x.numpy() for x in params[:4]), V)
+    out = sampling.sample_planned(logits, *params, 2, plan)
+    assert not bool(out[4].any())
+
+    def no_sort(*a):
+        raise AssertionError("the reference ran")
+    monkeypatch.setattr(sampling, "_sample_ref", no_sort)
+    sampling.redo_rows(out, list(range(B)), logits, *params)
+    assert bool(out[4].all())
+    _assert_same(out[:4], want)

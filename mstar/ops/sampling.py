@@ -26,6 +26,15 @@ without any host sync, returning per-row `exact` flags; the Sampler (which keeps
 parameters on the host) reads the flags with the tokens it reads anyway. The op backend
 `torch_topk` has only device tensors, so it reads the parameters (one sync) and, when a
 candidate stage ran, the flags (a second).
+
+"The same tokens" is bit-for-bit: the fast stages compute the reference's own float values
+(the same divisions, noise, softmax over the same kept values, cumsum over the same prefix),
+with two exceptions at the last place: a top-p row without top-k (and a min-p-only row) sums
+its softmax over the row in vocabulary order where the reference sums in sorted order, and on
+CUDA the reductions over K candidates may associate differently than over V. Either changes a
+token only when a cumulative mass lies within float rounding of top_p (or a probability within
+rounding of min_p x the top one): where the reference itself answers differently on CPU and
+CUDA. On CPU, every test (random mixes, ties, masks) gives the reference's tokens.
 """
 
 from __future__ import annotations
@@ -457,4 +466,5 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     return out
 
 
-__all__ = ["sample", "greedy_sample", "apply_penalties"]  # + make_plan / sample_planned for the Sampler
+# (make_plan, sample_planned, redo_rows: used by the Sampler from this module, not exported into ops)
+__all__ = ["sample", "greedy_sample", "apply_penalties"]

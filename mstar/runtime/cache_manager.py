@@ -328,16 +328,21 @@ class CacheManager:
             r.pages.append(self._take_page())
         return True
 
-    def snapshot_slots(self, req_id: str, start: int, end: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def snapshot_slots(self, req_id: str, start: int, end: int, token_ids: Sequence[int],
+                       every_page: bool = True) -> list[tuple[int, int]]:
         """Snapshot slots for the page boundaries p (p + 1 a multiple of page_size) in
         [start, end) whose page is not already cached with a snapshot: [(p, slot)]. The
-        engine copies the state after token p into the slot; commit hands it to the cache."""
+        engine copies the state after token p into the slot; commit hands it to the cache.
+        every_page=False: only the last boundary in [start, end)."""
         r = self._active(req_id)
         if not self.has_state or not self._uses_prefix() or self.num_snapshot_slots == 0:
             return []
         ps = self.page_size
         out: list[tuple[int, int]] = []
-        for p in range((start // ps + 1) * ps - 1, end, ps):
+        first = (start // ps + 1) * ps - 1
+        if not every_page:
+            first = max(first, (end // ps) * ps - 1)
+        for p in range(first, end, ps):
             if p in r.snaps:
                 out.append((p, r.snaps[p]))
                 continue

@@ -29,6 +29,7 @@ from dataclasses import fields
 
 import torch
 
+from mstar import knobs
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
 from mstar.runtime.encoder import CrossEncoder, TokenMasks, whisper_suppress_defaults
@@ -117,6 +118,7 @@ class EngineCore:
         if self._wants_graphs(config, spec):
             self.graphs = self._capture_graphs(config, sizes, max_len)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
+        self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []
         self._seed_rng = random.Random(config.seed)
@@ -356,7 +358,7 @@ class EngineCore:
             toks = r.seq.token_ids
             p_tokens.extend(toks[r.start:r.end])
             if self._snapshots:
-                for pos, slot in cm.snapshot_slots(r.seq.request_id, r.start, r.end, toks):
+                for pos, slot in cm.snapshot_slots(r.seq.request_id, r.start, r.end, toks, self._snap_every_page):
                     snapshots.append((off + pos - r.start, slot))
             off += r.end - r.start
         return StepRows(
