@@ -95,23 +95,30 @@ def test_larger_batches_than_captured_run_eagerly():
     assert_no_leaks(core)
 
 
-def test_compiled_forward_with_static_graph_path_matches_hf():
+@pytest.mark.parametrize("mode", ["on", "decode"])
+def test_compiled_forward_with_static_graph_path_matches_hf(mode):
     """torch.compile (Inductor on CPU here) over the mstar ops: decode steps through the
-    graph runner's fixed buffers, prefill and mixed steps through the compiled forward."""
+    graph runner's fixed buffers; prefill and mixed steps through the compiled forward
+    ("on") or the eager one ("decode")."""
     ps = prompts(5, 3, 30, seed=8)
-    core = engine("qwen3.5", page_size=4, max_num_seqs=8, decode_graphs="static", compile="on")
+    core = engine("qwen3.5", page_size=4, max_num_seqs=8, decode_graphs="static", compile=mode, admit_min_free=0)
     got = run_all(core, [EngineRequest(str(i), p, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
                          for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert got[str(i)][0] == hf_greedy("qwen3.5", p, 8 + i)
-    assert core.forward.compile_s > 0 and len(core.forward._kinds) >= 2
+    compiled = core._graph_forward
+    assert compiled.compile_s > 0
+    if mode == "on":
+        assert core.forward is compiled and len(compiled._kinds) >= 2
+    else:
+        assert core.forward == core.model.forward and compiled._kinds == {(True, False)}  # decode only
     assert_no_leaks(core)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("model", ["tiny-qwen3.5", "tiny-qwen3"])
-@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("compile", ["off", "decode", "on"])
 def test_cuda_graph_decode_matches_eager(model, compile):
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
@@ -125,3 +132,55 @@ def test_cuda_graph_decode_matches_eager(model, compile):
     ref = run_all(EngineCore(EngineConfig(decode_graphs="off", compile=compile, **opts)), reqs())
     # the same kernels on the same inputs, replayed: equal tokens
     assert got == ref
+
+
+def test_admission_batching_groups_prefills_and_keeps_tokens():
+    """admit_min_free: while decodes run, waiting requests are admitted once enough rows are
+    free (or after admit_max_wait held steps); tokens equal those of admitting at once."""
+    ps = prompts(12, 3, 20, seed=4)
+    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=4 + (i % 4) * 3, temperature=0.0,  # noqa: E731
+                                                            ignore_eos=True)) for i, p in enumerate(ps)]
+
+    def run(**kw):
+        core = engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static", **kw)
+        admitted, mixed = [], 0
+        sched = core.scheduler.schedule
+
+        def spy():
+            nonlocal mixed
+            out = sched()
+            if out.admitted:
+                admitted.append(len(out.admitted))
+            mixed += bool(out.decode and out.prefill)
+            return out
+        core.scheduler.schedule = spy
+        got = run_all(core, reqs())
+        assert_no_leaks(core)
+        return got, admitted, mixed
+
+    eager, adm0, mixed0 = run(admit_min_free=0)
+    batched, adm2, mixed2 = run(admit_min_free=3)
+    assert batched == eager
+    assert max(adm2[1:]) >= 3 and mixed2 < mixed0, (adm0, adm2, mixed0, mixed2)
+    core = engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static")
+    assert core.scheduler.admit_min_free == 1  # default: max_num_seqs // 4 with decode graphs
+    assert engine("qwen3.5", max_num_seqs=8).scheduler.admit_min_free == 0  # eager engines admit at once
+
+
+def test_admission_batching_waits_at_most_admit_max_wait_steps():
+    core = engine("qwen3", page_size=4, max_num_seqs=4, decode_graphs="static", admit_min_free=4)
+    core.scheduler.admit_max_wait = 3
+    for i, p in enumerate(prompts(4, 3, 6, seed=9)):
+        core.add_request(EngineRequest(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    core.step()
+    core.add_request(EngineRequest("late", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                    ignore_eos=True)))
+    core.abort(["0"])  # one row frees: 1 < admit_min_free, so "late" is held back...
+    waits = 0
+    while core.scheduler.waiting:
+        core.step()
+        waits += 1
+    assert waits == 4  # ...for admit_max_wait (3) held steps, admitted on the 4th
+    while core.has_unfinished():
+        core.step()
+    assert_no_leaks(core)

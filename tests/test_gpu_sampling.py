@@ -155,7 +155,10 @@ def test_planned_path_captures_in_a_cuda_graph():
         logits = _lm_logits(B, V, gen)
         params = _params(B, V, gen, mix)
         plan = sampling.make_plan(*(x.cpu().numpy() for x in params[:4]), V)
-        fn = lambda: sampling.sample_planned(logits, *params, 0, plan)  # noqa: E731
+
+        def fn(logits=logits, params=params, plan=plan):
+            return sampling.sample_planned(logits, *params, 0, plan)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

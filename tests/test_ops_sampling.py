@@ -345,6 +345,8 @@ def test_planned_path_decides_common_rows_without_the_reference(mix):
     out = sampling.sample_planned(logits, *params, 3, plan)
     assert bool(out[4].all()), f"{int((~out[4]).sum())} rows left to the reference"
     _assert_same(out[:4], REF(logits, *params, 3))
+    lean = sampling.sample_planned(logits, *params, 0, plan, token_logprobs=False)  # no log-softmax pass
+    assert torch.equal(lean[0], out[0]) and lean[2].shape == (B, 0)
 
 
 def test_plan_classifies_rows():

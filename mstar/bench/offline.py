@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import time
 
@@ -24,9 +25,11 @@ from mstar.bench.serve import git_commit
 def run(args) -> list[dict]:
     records = []
     for c in args.concurrency:
+        t_start = time.perf_counter()
         llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                   max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
-                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs)
+                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs,
+                  compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens)
         vocab = llm.engine.model.config.vocab_size
         n = args.num_prompts or max(4 * c, 64)
         g = torch.Generator().manual_seed(args.seed)
@@ -36,7 +39,7 @@ def run(args) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+        t0 = t_run = time.perf_counter()
         outs = llm.generate(prompts, params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -45,13 +48,14 @@ def run(args) -> list[dict]:
         assert all(len(o.token_ids) == args.output_len for o in outs), "fixed-length outputs expected"
         rec = {"bench": "offline", "model": args.model, "tp": args.tp, "concurrency": c, "num_prompts": n,
                "input_len": args.input_len, "output_len": args.output_len,
-               "output_tok_s": out_tokens / dt, "elapsed_s": dt,
+               "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "decode_graphs": args.decode_graphs, "graph_capture_s": _capture_s(llm),
+               "decode_graphs": args.decode_graphs, "compile": args.compile, "graph_capture_s": _capture_s(llm),
                "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
-        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s)", flush=True)
+        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s; start-up {t_run - t_start:.1f} s)",
+              flush=True)
         records.append(rec)
         llm.close()  # tp > 1: stop the followers before the next engine
         del llm
@@ -84,8 +88,14 @@ def main(argv=None):
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
                     help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
+                    help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget of a step (default: 8192 on CUDA, 2048 on CPU)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--out", default="notes/results/offline.jsonl", help="JSONL file to append records to ('' = none)")
+    # timestamped engine log lines (load, graph capture, compiles) show where start-up time goes
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run(ap.parse_args(argv))
 
 

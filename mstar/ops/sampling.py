@@ -336,13 +336,14 @@ def _rows(rows: tuple[int, ...], B: int, dev):
 
 def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, num_logprobs: int,
-                   plan: SamplePlan, full_impl=None
+                   plan: SamplePlan, full_impl=None, token_logprobs: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample` by the stages of `plan` (= make_plan of these parameters), with no host sync.
 
     Returns (tokens, token logprob, top ids, top logprobs, exact). Where exact[b], row b's
     outputs are the reference's; elsewhere its token (and token logprob) is undecided and must be
-    redone (`redo_rows`). Top ids / logprobs never depend on the token.
+    redone (`redo_rows`). Top ids / logprobs never depend on the token. token_logprobs=False
+    with num_logprobs=0 skips the log-softmax over the vocabulary (token logprobs are then 0).
 
     Float caveat: a top-p row without top-k (or a min-p-only row) normalises its probabilities
     over the row in vocabulary order, the reference in sorted order; the two sums can differ in
@@ -352,7 +353,7 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     B, V = logits.shape
     dev = logits.device
     lf = logits.to(torch.float32)
-    logprobs_all = torch.log_softmax(lf, dim=-1)
+    logprobs_all = torch.log_softmax(lf, dim=-1) if token_logprobs or num_logprobs else None
     greedy = temperature <= 0
     if plan.any_greedy:
         tokens = lf.argmax(dim=-1)
@@ -381,8 +382,13 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         tok_r = _sample_ref(lf[r], temperature[r], top_k[r], top_p[r], min_p[r], seeds[r], steps[r], 0)[0]
         tokens[r] = tok_r
         exact[r] = True
-    tok_lp = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    top_lp, top_ids = torch.topk(logprobs_all, num_logprobs, dim=-1)
+    if logprobs_all is None:
+        tok_lp = torch.zeros((B,), dtype=torch.float32, device=dev)
+        top_lp = torch.empty((B, 0), dtype=torch.float32, device=dev)
+        top_ids = torch.empty((B, 0), dtype=torch.int64, device=dev)
+    else:
+        tok_lp = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_lp, top_ids = torch.topk(logprobs_all, num_logprobs, dim=-1)
     return tokens, tok_lp, top_ids, top_lp, exact
 
 

@@ -35,7 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int | None = None  # None: knob MSTAR_PAGE_SIZE
     num_pages: int | None = None  # None: sized from free memory (CUDA) or CPU_CACHE_BYTES
-    max_num_batched_tokens: int = 2048  # prefill tokens per step
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on CUDA, 2048 elsewhere
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # "recompute" | "offload"
     tp: int = 1  # tensor-parallel ranks, one device each (runtime/tp.py); must divide the head counts
@@ -48,8 +48,11 @@ class EngineConfig:
     # capturing (any device: how CPU tests check the graph path's inputs)
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
-    # torch.compile the model's forward (compiled_forward.py): "on" or "off"; "auto" is off
-    # until it measures faster (recompiles per new 0/1-sized input cost minutes on the H200)
+    # admission batching (scheduler.py): None = max_num_seqs // 4 when decode graphs run, else 0
+    admit_min_free: int | None = None
+    # torch.compile the model's forward (compiled_forward.py): "on" (every step), "decode" (only
+    # the forward the decode graphs capture: two compiles, b = 1 and b > 1), "off"; "auto" is off
+    # until it measures faster (eager steps recompile per new 0/1-sized input: minutes on the H200)
     compile: str = "auto"
 
     def __post_init__(self):
@@ -77,11 +80,13 @@ class EngineConfig:
         pos("max_model_len", True)
         pos("page_size", True)
         pos("num_pages", True)
-        pos("max_num_batched_tokens")
+        pos("max_num_batched_tokens", True)
+        if self.admit_min_free is not None and (not isinstance(self.admit_min_free, int) or self.admit_min_free < 0):
+            raise ValueError(f"admit_min_free: must be >= 0, got {self.admit_min_free!r}")
         pos("tp")
         pos("max_graph_batch")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile: must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.compile not in ("auto", "on", "decode", "off"):
+            raise ValueError(f"compile: must be 'auto', 'on', 'decode' or 'off', got {self.compile!r}")
         if self.decode_graphs not in ("auto", "off", "static"):
             raise ValueError(f"decode_graphs: must be 'auto', 'off' or 'static', got {self.decode_graphs!r}")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
@@ -109,6 +114,11 @@ class EngineConfig:
             device = device or self.resolve_device()
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    def resolve_max_num_batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 2048
 
     def resolve_page_size(self) -> int:
         return int(self.page_size if self.page_size is not None else knobs.value("MSTAR_PAGE_SIZE"))

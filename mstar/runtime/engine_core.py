@@ -61,11 +61,6 @@ class EngineCore:
             model = load_model(config.model, dtype=self.dtype, device=self.device,
                                random_weights=config.random_weights, seed=config.seed)
         self.model = model
-        # what a step calls: the model's forward, compiled unless asked not to (tp: eager)
-        self.forward = model.forward
-        if config.compile == "on" and self.tp is None:
-            from mstar.runtime.compiled_forward import CompiledForward
-            self.forward = CompiledForward(model)
         if tokenizer is None:
             tokenizer = _try_tokenizer(config.model)
         self.tokenizer = tokenizer
@@ -92,6 +87,14 @@ class EngineCore:
         model.bind_caches(self.cm.caches)
         if self.tp is not None:
             self.tp.attach(model)  # followers allocate the same caches
+        # what a step calls: the model's forward (tp: wrapped by attach), or its compiled version
+        # ("decode": only the forward the decode graphs capture, which sees one input shape per batch size)
+        self.forward = self._graph_forward = model.forward
+        if config.compile in ("on", "decode") and self.tp is None:
+            from mstar.runtime.compiled_forward import CompiledForward
+            self._graph_forward = CompiledForward(model)
+            if config.compile == "on":
+                self.forward = self._graph_forward
         self.page_size = sizes.page_size
         self.has_state = bool(spec.state)
         self.has_attention = bool(spec.attention)
@@ -107,7 +110,7 @@ class EngineCore:
             sup, begin = whisper_suppress_defaults(model, config.model)
             self.default_suppress, self.default_begin_suppress = tuple(sup), tuple(begin)
         self.scheduler = Scheduler(self.cm, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_batched_tokens=config.resolve_max_num_batched_tokens(self.device),
                                    preemption_mode=config.preemption_mode)
         make_inputs = StepInputBuilder if self.tp is None else self.tp.input_builder  # tp: sends the plan
         self.inputs = make_inputs(page_size=self.page_size, device=self.device,
@@ -117,6 +120,11 @@ class EngineCore:
         self.graphs = None
         if self._wants_graphs(config, spec):
             self.graphs = self._capture_graphs(config, sizes, max_len)
+        # admission batching: with graphs, few large eager prefill steps beat many small ones
+        admit = config.admit_min_free
+        if admit is None:
+            admit = config.max_num_seqs // 4 if self.graphs is not None else 0
+        self.scheduler.admit_min_free = admit
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}
@@ -140,7 +148,7 @@ class EngineCore:
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
         from mstar.runtime.cuda_graphs import DecodeGraphRunner
-        runner = DecodeGraphRunner(self.model, self.forward, device=self.device, page_size=sizes.page_size,
+        runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, page_size=sizes.page_size,
                                    max_batch=min(config.max_graph_batch, config.max_num_seqs),
                                    num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
                                    pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto")

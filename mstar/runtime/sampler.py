@@ -18,10 +18,10 @@ output token being drawn, so a sequence's tokens do not depend on the batch arou
 The path per step is chosen on the host, from host mirrors of the parameters (no device
 sync): an all-greedy batch takes `greedy_sample`; otherwise, when `sample`'s selected backend
 is `torch_topk` (or another of `sampling.PLANNED_BACKENDS`), `sampling.make_plan` +
-`sampling.sample_planned` (no full-vocabulary sort);
-the rows it flags as undecided are read back with the tokens (the one readback the step
-already has) and redone by the reference. Any other selection (`MSTAR_BACKENDS=sample=...`,
-verify mode) calls `ops.sample` itself.
+`sampling.sample_planned` (no full-vocabulary sort, no host sync). The rows it flags as
+undecided (rare) come back with the tokens, in the one readback the step already has, and are
+redone by `sampling.redo_rows` (more candidates, then the reference). Any other selection
+(`MSTAR_BACKENDS=sample=reference`, verify mode) calls `ops.sample` itself.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ class Sampler:
             if backend in sampling.PLANNED_BACKENDS and not knobs.value("MSTAR_VERIFY"):
                 plan = sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
                                           self._fhost[2, rows_np], V)
-                out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend])
+                out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend],
+                                              token_logprobs=n_top >= 0)
                 tokens, tok_lp, top_ids, top_lp, _ = out
             else:
                 tokens, tok_lp, top_ids, top_lp = ops.sample(*args, max(n_top, 0))
@@ -174,7 +175,7 @@ class Sampler:
             # the exact flags come back with the tokens, in the same copy
             tok_list, ok = torch.stack([tokens, out[4].to(torch.int64)]).tolist()
             bad = [b for b in range(B) if not ok[b]]
-            if bad:  # rare: rows the fast stages could not decide, redone by the reference
+            if bad:  # rare: rows the fast stages could not decide (extra syncs only here)
                 for b, t in zip(bad, sampling.redo_rows(out, bad, *args).tolist()):
                     tok_list[b] = t
         else:

@@ -19,6 +19,13 @@ Memory policy:
     manager moves its pages and state to host memory; on re-admission it is reloaded and
     resumes where it stopped.
   * no admissions in a step that preempted (the pool is known to be tight).
+
+Admission batching (`admit_min_free` > 0): while decode rows are running, new requests
+are admitted only once at least `admit_min_free` rows are free, or once the oldest
+waiting request has waited `admit_max_wait` steps. Decode-only steps replay CUDA graphs
+and a step with prefill rows runs eagerly, so admitting the requests that finish a few at
+a time in one batch turns many small eager steps into a few large ones. Tokens do not
+change (a row's tokens do not depend on its batch), only when prefills run.
 """
 
 from __future__ import annotations
@@ -102,11 +109,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache_manager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", admit_min_free: int = 0, admit_max_wait: int = 16):
         self.cm = cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.admit_min_free = admit_min_free
+        self.admit_max_wait = admit_max_wait
+        self._held_steps = 0  # steps admissions were held back while requests waited
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -167,7 +177,7 @@ class Scheduler:
             i += 1
 
         # 2. admissions, FIFO, while there is budget, a free row, a slot and pages
-        if not out.preempted:
+        if not out.preempted and self._admitting(out):
             while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if not self._admit(seq):
@@ -189,6 +199,18 @@ class Scheduler:
                 out.prefill.append(PrefillRow(seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
         return out
+
+    def _admitting(self, out: SchedulerOutput) -> bool:
+        """Admission batching (module docstring): admit now, or hold for a bigger batch."""
+        if not self.admit_min_free or not self.waiting or not out.decode or out.prefill:
+            self._held_steps = 0
+            return True
+        free = self.max_num_seqs - len(self.running)
+        if free >= self.admit_min_free or self._held_steps >= self.admit_max_wait:
+            self._held_steps = 0
+            return True
+        self._held_steps += 1
+        return False
 
     def _admit(self, seq: Sequence) -> bool:
         cm = self.cm

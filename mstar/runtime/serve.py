@@ -81,10 +81,25 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="Tokens per KV-cache page (also the prefix-cache granule); default: MSTAR_PAGE_SIZE.")
     e.add_argument("--num-pages", type=_positive_int, default=None,
                    help="KV-cache pages in the pool; default: sized from free memory.")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                   help="Token budget of one step (prefill chunk size plus decodes).")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="Token budget of one step (prefill chunk size plus decodes); default: 8192 on CUDA, "
+                        "2048 on CPU.")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="Disable reuse of cached prompt prefixes across requests.")
+    e.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
+                   help="auto: decode-only steps replay CUDA graphs captured at start-up (CUDA, tp 1); "
+                        "off: every step runs eagerly.")
+    e.add_argument("--max-graph-batch", type=_positive_int, default=256,
+                   help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
+                        "decode steps run eagerly.")
+    e.add_argument("--admit-min-free", type=_nonneg_int, default=None,
+                   help="While decodes run, admit new requests once this many rows are free (or after 16 "
+                        "held steps), so prefills run in few large steps; default: max-num-seqs / 4 with decode "
+                        "graphs, else 0 (admit at once).")
+    e.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
+                   help="torch.compile the model's forward so Inductor fuses the code between mstar's ops: "
+                        "on (every step), decode (only inside the decode graphs), off; auto: off until it "
+                        "measures faster.")
     e.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="Advanced: build the engine with this callable(EngineConfig) instead of EngineCore "
                         "(it must offer the EngineCore API: add_request, abort, step, has_unfinished, stats).")
@@ -124,7 +139,9 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed)
+                        enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,
+                        decode_graphs=args.decode_graphs, max_graph_batch=args.max_graph_batch,
+                        compile=args.compile, admit_min_free=args.admit_min_free)
 
 
 def _setup_logging(level_name: str | None) -> None:
