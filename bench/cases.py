@@ -129,6 +129,12 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     torch.randn(b, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim, device=dev) * 0.1,
                     torch.arange(b, device=dev), s.gdn_k_dim ** -0.5),
                     bytes=2 * b * state_bytes, flops=6 * b * s.gdn_v_heads * s.gdn_k_dim * s.gdn_v_dim))
+                cases.append(Case("gdn_decode_fused", lab, lambda b=b, s=s, c=c: (
+                    rnd(b, c), rnd(b, s.gdn_v_heads), rnd(b, s.gdn_v_heads),
+                    torch.rand(s.gdn_v_heads, device=dev).mul(15).add(0.01).log().to(dtype), rnd(s.gdn_v_heads),
+                    torch.randn(b, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim, device=dev) * 0.1,
+                    torch.arange(b, device=dev), s.gdn_k_heads, s.gdn_k_dim ** -0.5, 1e-6),
+                    bytes=2 * b * state_bytes + b * c * es, flops=6 * b * s.gdn_v_heads * s.gdn_k_dim * s.gdn_v_dim))
                 ctx = sz["context"]
                 cases.append(Case("paged_attention_decode", f"{lab} ctx{ctx}", lambda b=b, s=s, ctx=ctx: (
                     rnd(b, s.q_heads, s.head_dim),

@@ -3,8 +3,6 @@ and the check that mstar reproduces their logits through prefill, decode and mix
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 
 import torch
@@ -60,23 +58,9 @@ def make_hf_model(config, seed: int = 0):
     return model.eval()
 
 
-_KERNEL_FNS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-               "causal_conv1d_update")
-
-
-@contextlib.contextmanager
-def torch_only_reference():
-    """Make transformers' Qwen3.5 use its plain-torch functions even where fla / causal_conv1d
-    are installed (they need a GPU; our reference runs on the CPU). Restored on exit."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as mod
-    saved = {n: getattr(mod, n) for n in _KERNEL_FNS if hasattr(mod, n)}
-    try:
-        for n, f in saved.items():
-            setattr(mod, n, inspect.unwrap(f))
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(mod, n, f)
+# transformers' Qwen3.5 on its plain-torch functions even where fla / causal_conv1d are installed
+# (they need a GPU; our reference runs on the CPU): the gate's context manager
+from mstar.bench.gate import torch_only_reference  # noqa: E402
 
 
 @torch.no_grad()

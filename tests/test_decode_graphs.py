@@ -184,3 +184,56 @@ def test_admission_batching_waits_at_most_admit_max_wait_steps():
     while core.has_unfinished():
         core.step()
     assert_no_leaks(core)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overlapped_decode_matches_synchronous(kind):
+    """async_output: decode step k is launched before step k-1 is read back (device
+    loop-back of the tokens); outputs arrive a step later with the same tokens, stop
+    tokens found late drop the chained step's token, aborts in flight leak nothing."""
+    ps = prompts(10, 3, 30, seed=12)
+    ref_core = engine(kind, page_size=4, max_num_seqs=6, decode_graphs="static")
+    ref = run_all(ref_core, [EngineRequest(str(i), p, SamplingParams(max_tokens=10 + i, temperature=0.0,
+                                                                     ignore_eos=True)) for i, p in enumerate(ps)])
+    # stop on a token the reference produced mid-way (found only after the next step launched)
+    stop_tok = ref["3"][0][4]
+    params = lambda i: SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True,  # noqa: E731
+                                      stop_token_ids=[stop_tok] if i == 3 else [])
+    want = run_all(engine(kind, page_size=4, max_num_seqs=6, decode_graphs="static"),
+                   [EngineRequest(str(i), p, params(i)) for i, p in enumerate(ps)])
+    core = engine(kind, page_size=4, max_num_seqs=6, decode_graphs="static", async_output=True, admit_min_free=2)
+    assert core.overlap is not None
+    got = run_all(core, [EngineRequest(str(i), p, params(i)) for i, p in enumerate(ps)])
+    assert got == want
+    assert got["3"][1] == "stop" and got["3"][0][-1] == stop_tok
+    assert core.overlap.num_chained >= core.num_steps // 3, (core.overlap.num_chained, core.num_steps)
+    assert_no_leaks(core)
+    # abort while a step is in flight; then a prefix-cache hit on pages committed late
+    core.add_request(EngineRequest("a", ps[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    core.add_request(EngineRequest("b", ps[1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        core.step()
+    assert core.overlap.inflight is not None
+    core.abort(["a"])
+    rest = {}
+    while core.has_unfinished():
+        for o in core.step():
+            rest.setdefault(o.request_id, []).append(o.finish_reason)
+    assert rest["a"][-1] == "abort" and rest["b"][-1] == "length"
+    # "a"'s pages were committed after their tokens were read back: a later request hits them
+    hits = core.cm.stats().prefix_hit_tokens
+    c = ps[0] + ref["0"][0][:8]
+    again = run_all(core, [EngineRequest("c", c, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))])
+    assert again["c"][0] == hf_greedy(kind, c, 6)
+    assert core.cm.stats().prefix_hit_tokens > hits
+    assert_no_leaks(core)
+
+
+def test_overlapped_decode_falls_back_for_sampled_rows():
+    core = engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static", async_output=True)
+    ps = prompts(3, 3, 10, seed=13)
+    mk = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=8, temperature=0.8, seed=i))  # noqa: E731
+                  for i, p in enumerate(ps)]
+    got = run_all(core, mk())
+    assert core.overlap.num_chained == 0 and core.overlap.inflight is None
+    assert got == run_all(engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static"), mk())

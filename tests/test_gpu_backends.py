@@ -133,6 +133,15 @@ def test_gdn_and_conv(dtype):
                2e-2, mutated=(5,))
         _check("gdn_prefill", b, (*_gdn_inputs(330, h, dk, dv, dtype), pool, cu, slots, snap_t, snap_s, dk ** -0.5),
                2e-2, mutated=(5,))
+    # the fused decode step from the conv output (0.8B / 4B shapes: 16 key heads, 16 or 32 value heads)
+    for hk, hv in ((16, 16), (16, 32)):
+        fpool = r(10, hv, dk, dv) * 0.1
+        zba = r(3, 2 * hv + 8, dtype=dtype)
+        fused_args = (r(3, 2 * hk * dk + hv * dv, dtype=dtype), zba[:, :hv], zba[:, hv:2 * hv],
+                      torch.rand(hv, device=DEV).mul(15).add(0.01).log().to(dtype), r(hv, dtype=dtype), fpool, slots,
+                      hk, dk ** -0.5, 1e-6)
+        for b in _fast_backends("gdn_decode_fused"):
+            _check("gdn_decode_fused", b, fused_args, 2e-2, mutated=(5,))
     c, kk = 6144, 4
     cpool = r(10, c, kk - 1, dtype=dtype)
     for b in _fast_backends("causal_conv1d_update"):

@@ -29,7 +29,8 @@ def run(args) -> list[dict]:
         llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                   max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
                   enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs,
-                  compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens)
+                  compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens,
+                  async_output=args.async_output)
         vocab = llm.engine.model.config.vocab_size
         n = args.num_prompts or max(4 * c, 64)
         g = torch.Generator().manual_seed(args.seed)
@@ -51,7 +52,7 @@ def run(args) -> list[dict]:
                "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "decode_graphs": args.decode_graphs, "compile": args.compile, "graph_capture_s": _capture_s(llm),
+               "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output, "graph_capture_s": _capture_s(llm),
                "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
         print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s; start-up {t_run - t_start:.1f} s)",
@@ -90,6 +91,8 @@ def main(argv=None):
                     help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                     help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
+    ap.add_argument("--async-output", action="store_true",
+                    help="overlapped decode: launch step k before reading step k-1's tokens back")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="token budget of a step (default: 8192 on CUDA, 2048 on CPU)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

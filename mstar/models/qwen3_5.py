@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar import ops
@@ -122,33 +121,18 @@ class GatedDeltaNet(nn.Module):
         a = zba[:, self.value_dim + hv:]
 
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
-        parts = []
-        if nd > 0:
-            parts.append(ops.causal_conv1d_update(mixed[:nd], w, None, self.conv_state, md.decode_slots, True))
-        if t > nd:
-            parts.append(ops.causal_conv1d_prefill(mixed[nd:], w, None, self.conv_state, md.prefill_cu_seqlens,
-                                                   md.prefill_slots, md.snap_token_idx, md.snap_slots, True))
-        mixed = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-
-        q = mixed[:, :self.key_dim].reshape(t, hk, dk)
-        k = mixed[:, self.key_dim:2 * self.key_dim].reshape(t, hk, dk)
-        v = mixed[:, 2 * self.key_dim:].reshape(t, hv, dv).contiguous()
-        q = ops.l2_norm(q.contiguous(), L2_EPS)
-        k = ops.l2_norm(k.contiguous(), L2_EPS)
-        if hv != hk:
-            q = q.repeat_interleave(hv // hk, dim=1)
-            k = k.repeat_interleave(hv // hk, dim=1)
-        beta = torch.sigmoid(b).contiguous()
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-
         outs = []
-        if nd > 0:
-            outs.append(ops.gdn_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], self.recurrent_state,
-                                       md.decode_slots, self.scale))
+        if nd > 0:  # decode rows: conv update, then one op from the conv output on (fused on CUDA)
+            conv = ops.causal_conv1d_update(mixed[:nd], w, None, self.conv_state, md.decode_slots, True)
+            outs.append(ops.gdn_decode_fused(conv, a[:nd], b[:nd], self.A_log, self.dt_bias,
+                                             self.recurrent_state, md.decode_slots, hk, self.scale, L2_EPS))
         if t > nd:
-            outs.append(ops.gdn_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], self.recurrent_state,
-                                        md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx,
-                                        md.snap_slots, self.scale))
+            conv = ops.causal_conv1d_prefill(mixed[nd:], w, None, self.conv_state, md.prefill_cu_seqlens,
+                                             md.prefill_slots, md.snap_token_idx, md.snap_slots, True)
+            q, k, v = ops.split_qkv(conv, hk, dk, hv, dv, L2_EPS)
+            g, beta = ops.gdn_gates(a[nd:], b[nd:], self.A_log, self.dt_bias)
+            outs.append(ops.gdn_prefill(q, k, v, g, beta, self.recurrent_state, md.prefill_cu_seqlens,
+                                        md.prefill_slots, md.snap_token_idx, md.snap_slots, self.scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
         o = self.norm(o.to(x.dtype), z.reshape(t, hv, dv))
         return self.out_proj(o.reshape(t, self.value_dim))

@@ -184,4 +184,53 @@ gdn_decode = define_op(
     "float scale) -> Tensor",
     reference=_gdn_decode_ref, fake=_gdn_decode_fake)
 
-__all__ = ["gdn_prefill", "gdn_decode"]
+
+
+# --- decode, fused from the conv output ---------------------------------------------------------
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5's gates: g = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b)
+    (in b's dtype), per row and value head."""
+    g = -torch.exp(A_log.float()) * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b).contiguous()
+
+
+def split_qkv(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, eps: float,
+              l2norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output [T, 2 Hk Dk + Hv Dv] -> L2-normalised q, k (repeated onto the value
+    heads: key head i serves value heads i*r .. i*r+r-1) and v, each [T, Hv, D]."""
+    from mstar.ops.norm import l2_norm as _l2_norm
+    l2norm = l2norm or _l2_norm
+    t, kd = mixed.shape[0], num_k_heads * head_k_dim
+    q = l2norm(mixed[:, :kd].reshape(t, num_k_heads, head_k_dim).contiguous(), eps)
+    k = l2norm(mixed[:, kd:2 * kd].reshape(t, num_k_heads, head_k_dim).contiguous(), eps)
+    v = mixed[:, 2 * kd:].reshape(t, num_v_heads, head_v_dim).contiguous()
+    if num_v_heads != num_k_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    return q, k, v
+
+
+def _gdn_decode_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int,
+                          scale: float, eps: float) -> torch.Tensor:
+    """A decode step of Qwen3.5's Gated DeltaNet from the conv output: split and L2-normalise
+    q, k, gates, recurrent update of state_pool[slots] in place -> o [B, Hv, Dv]."""
+    from mstar.ops.norm import _l2_norm_ref
+    hv, dk, dv = state_pool.shape[1:]
+    q, k, v = split_qkv(mixed, num_k_heads, dk, hv, dv, eps, _l2_norm_ref)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return _gdn_decode_ref(q, k, v, g, beta, state_pool, slots, scale)
+
+
+def _gdn_decode_fused_fake(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps):
+    return mixed.new_empty((mixed.shape[0], state_pool.shape[1], state_pool.shape[3]))
+
+
+gdn_decode_fused = define_op(
+    "gdn_decode_fused",
+    "(Tensor mixed, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state_pool, Tensor slots, "
+    "int num_k_heads, float scale, float eps) -> Tensor",
+    reference=_gdn_decode_fused_ref, fake=_gdn_decode_fused_fake)
+
+__all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_gates", "split_qkv"]

@@ -48,6 +48,9 @@ class EngineConfig:
     # capturing (any device: how CPU tests check the graph path's inputs)
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
+    # overlapped decode (decode_overlap.py): launch decode step k before reading step k-1's
+    # tokens back; with decode graphs only; off until measured on the GPU
+    async_output: bool = False
     # admission batching (scheduler.py): None = max_num_seqs // 4 when decode graphs run, else 0
     admit_min_free: int | None = None
     # torch.compile the model's forward (compiled_forward.py): "on" (every step), "decode" (only

@@ -144,11 +144,15 @@ class DecodeGraphRunner:
                 return b
         return None
 
-    def run(self, rows: StepRows) -> torch.Tensor:
-        """Hidden states [D, hidden] of a decode-only step (D = len(rows.decode_tokens))."""
+    def run(self, rows: StepRows, loopback: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [D, hidden] of a decode-only step (D = len(rows.decode_tokens)).
+        loopback: the previous step's sampled tokens on the device, row for row the input
+        ids of this step (decode_overlap.py), instead of rows.decode_tokens."""
         d = len(rows.decode_tokens)
         b = self.bucket(d)
         self._fill(b, d, rows)
+        if loopback is not None:
+            self._dev[0, :d].copy_(loopback[:d])
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:d]

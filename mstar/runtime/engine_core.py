@@ -125,6 +125,10 @@ class EngineCore:
         if admit is None:
             admit = config.max_num_seqs // 4 if self.graphs is not None else 0
         self.scheduler.admit_min_free = admit
+        self.overlap = None  # overlapped decode (decode_overlap.py)
+        if config.async_output and self.graphs is not None:
+            from mstar.runtime.decode_overlap import DecodeOverlap
+            self.overlap = DecodeOverlap(self)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}
@@ -137,6 +141,9 @@ class EngineCore:
         # MSTAR_PHASE_TIMING: per-step phase times (phase_timing.py); None (the default) costs
         # one `is not None` test per phase boundary and no clock or sync
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
+        if self.phase_timer is not None and self.overlap is not None:
+            log.warning("MSTAR_PHASE_TIMING synchronizes every step: overlapped decode (async_output) is off")
+            self.overlap = None
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
@@ -250,6 +257,11 @@ class EngineCore:
     # ======================================================================================
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
+        ov = self.overlap
+        if ov is not None and ov.inflight is not None:
+            if ov.can_chain():
+                return self._chained_step()
+            self._pending += ov.finish()  # read the step in flight back before anything else
         pt = self.phase_timer
         if pt is not None:
             pt.start()
@@ -286,6 +298,10 @@ class EngineCore:
                 pt.before_forward()
             hidden = graphs.run(rows)  # the sampling rows, in order
             n_sample = hidden.shape[0]
+            if ov is not None and ov.eligible(sched.decode):
+                self._advance_decode(sched.decode, commit=True)
+                ov.launch(sched.decode, hidden)  # its outputs come with the next step
+                return outputs
         else:
             ctx, n_sample = self.inputs.build(rows)
             if pt is not None:
@@ -321,9 +337,7 @@ class EngineCore:
 
         # bookkeeping: computed lengths, prefix-cache commits
         cm = self.cm
-        for seq in sched.decode:
-            seq.num_computed += 1
-            cm.commit(seq.request_id, seq.token_ids, seq.num_computed)
+        self._advance_decode(sched.decode, commit=True)
         for r in sched.prefill:
             r.seq.num_computed = r.end
             cm.commit(r.seq.request_id, r.seq.token_ids, r.end)
@@ -334,23 +348,54 @@ class EngineCore:
             for b, (seq, tok) in enumerate(zip(sampling, result.tokens)):
                 seq.token_ids.append(tok)
                 self.num_generated_tokens += 1
-                n_out = seq.num_output_tokens
-                finish, stop_tok = None, None
-                if tok in seq.stop_ids and n_out > seq.params.min_tokens:
-                    finish, stop_tok = "stop", tok
-                elif n_out >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len:
-                    finish = "length"
-                out = CoreOutput(seq.request_id, [tok], None if lps is None or lps[b] is None else [lps[b]],
-                                 finish_reason=finish, stop_token_id=stop_tok,
-                                 num_prompt_tokens=seq.num_prompt_tokens,
-                                 num_cached_tokens=seq.num_cached_tokens)
+                out = self._token_output(seq, tok, None if lps is None else lps[b], seq.num_output_tokens)
                 outputs.append(out)
-                if finish is not None:
+                if out.finish_reason is not None:
                     self._seqs.pop(seq.request_id, None)
                     self._drop(seq)
         if pt is not None:
             pt.end(len(sched.decode), len(rows.prefill_tokens), len(sched.prefill), self.has_unfinished())
         return outputs
+
+    def _advance_decode(self, decode: list[Sequence], commit: bool) -> None:
+        """The decode rows' new tokens are in the caches; commit: offer full pages to the
+        prefix cache (their token ids must be known: not for a chained overlapped step)."""
+        cm = self.cm
+        for seq in decode:
+            seq.num_computed += 1
+            if commit:
+                cm.commit(seq.request_id, seq.token_ids, seq.num_computed)
+
+    def _token_output(self, seq: Sequence, tok: int, lp, n_out: int) -> CoreOutput:
+        """The output of a sequence's n_out-th generated token, with its finish reason."""
+        finish, stop_tok = None, None
+        if tok in seq.stop_ids and n_out > seq.params.min_tokens:
+            finish, stop_tok = "stop", tok
+        elif n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= seq.max_len:
+            finish = "length"
+        return CoreOutput(seq.request_id, [tok], None if lp is None else [lp], finish_reason=finish,
+                          stop_token_id=stop_tok, num_prompt_tokens=seq.num_prompt_tokens,
+                          num_cached_tokens=seq.num_cached_tokens)
+
+    def _chained_step(self) -> list[CoreOutput]:
+        """Overlapped decode: launch the in-flight rows' next step, then read the in-flight
+        one back (decode_overlap.py); returns its outputs."""
+        ov = self.overlap
+        prev = ov.inflight
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if (sched.prefill or sched.admitted or sched.preempted or sched.failed
+                or len(sched.decode) != len(prev.seqs) or any(a is not b for a, b in zip(sched.decode, prev.seqs))):
+            raise RuntimeError("overlapped decode: the scheduler did not continue the in-flight rows "
+                               f"({len(sched.decode)} decode, {len(sched.prefill)} prefill, "
+                               f"{len(sched.admitted)} admitted, {len(sched.preempted)} preempted)")
+        self.num_steps += 1
+        rows = self._rows(sched.decode, [])
+        hidden = self.graphs.run(rows, loopback=prev.tokens)
+        self._advance_decode(sched.decode, commit=False)  # committed once the input tokens are read back
+        ov.launch(sched.decode, hidden)
+        ov.num_chained += 1
+        return outputs + ov.finish(prev)
 
     def _rows(self, decode: list[Sequence], prefill: list[PrefillRow]) -> StepRows:
         cm = self.cm

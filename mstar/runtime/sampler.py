@@ -157,7 +157,9 @@ class Sampler:
         nlp = self._num_logprobs[rows_np]
         n_top = int(nlp.max()) if B else -1
         plan = None
-        if self._greedy[rows_np].all():  # no sort over the vocabulary for an all-greedy batch
+        if self._greedy[rows_np].all() and n_top < 0:  # argmax only: no softmax over the vocabulary
+            tokens, tok_lp, top_ids, top_lp = logits.argmax(dim=-1), None, None, None
+        elif self._greedy[rows_np].all():  # no sort over the vocabulary for an all-greedy batch
             tokens, tok_lp, top_ids, top_lp = ops.greedy_sample(logits, max(n_top, 0))
         else:
             args = (logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t)

@@ -200,6 +200,11 @@ class Scheduler:
                 budget -= end - seq.num_computed
         return out
 
+    def admission_held(self) -> bool:
+        """Would the next schedule() (with decode rows running) hold the waiting requests back?"""
+        free = self.max_num_seqs - len(self.running)
+        return bool(self.admit_min_free) and free < self.admit_min_free and self._held_steps < self.admit_max_wait
+
     def _admitting(self, out: SchedulerOutput) -> bool:
         """Admission batching (module docstring): admit now, or hold for a bigger batch."""
         if not self.admit_min_free or not self.waiting or not out.decode or out.prefill:

@@ -96,6 +96,10 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="While decodes run, admit new requests once this many rows are free (or after 16 "
                         "held steps), so prefills run in few large steps; default: max-num-seqs / 4 with decode "
                         "graphs, else 0 (admit at once).")
+    e.add_argument("--async-output", action="store_true",
+                   help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
+                        "tokens are read back (they feed the next step on the device). Greedy rows without "
+                        "logprobs or penalties only; other steps run synchronously.")
     e.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                    help="torch.compile the model's forward so Inductor fuses the code between mstar's ops: "
                         "on (every step), decode (only inside the decode graphs), off; auto: off until it "
@@ -141,7 +145,7 @@ def engine_config(args: argparse.Namespace):
                         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,
                         decode_graphs=args.decode_graphs, max_graph_batch=args.max_graph_batch,
-                        compile=args.compile, admit_min_free=args.admit_min_free)
+                        compile=args.compile, admit_min_free=args.admit_min_free, async_output=args.async_output)
 
 
 def _setup_logging(level_name: str | None) -> None:

@@ -36,6 +36,14 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     v = tl.load(v_ptr + row * DV + vv, mask=vmask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row).to(tl.float32)
     beta = tl.load(beta_ptr + row).to(tl.float32)
+    o = _state_step(state_ptr, slot, h, H, DK, DV, kk, vv, vmask, q, k, v, g, beta)
+    tl.store(o_ptr + row * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _state_step(state_ptr, slot, h, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, kk, vv, vmask, q, k, v, g,
+                beta):
+    """The delta-rule update of one head's [DK, BV] state block in place; returns o (fp32)."""
     s_ptrs = state_ptr + ((slot * H + h) * DK + kk[:, None]) * DV + vv[None, :]
     smask = vmask[None, :]
     S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
@@ -43,9 +51,8 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     pred = tl.sum(S * k[:, None], axis=0)
     delta = beta * (v - pred)
     S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
-    tl.store(o_ptr + row * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+    return tl.sum(S * q[:, None], axis=0)
 
 
 def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
@@ -63,5 +70,54 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
     return o
 
 
+@triton.jit
+def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
+                             state_ptr, slot_ptr, o_ptr, scale, eps, HK: tl.constexpr, HV: tl.constexpr,
+                             DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    # what split_qkv + gdn_gates + the decode step compute, in one program per (row, value
+    # head, Dv block); the rounding points of the composed path are kept (q, k normalised in
+    # fp32 then stored in the input dtype; beta = sigmoid(b) in b's dtype)
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // (HV // HK)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    kk = tl.arange(0, DK)
+    vv = vb * BV + tl.arange(0, BV)
+    vmask = vv < DV
+    base = mixed_ptr + r * mixed_stride
+    q = tl.load(base + hk * DK + kk).to(tl.float32)
+    k = tl.load(base + HK * DK + hk * DK + kk).to(tl.float32)
+    v = tl.load(base + 2 * HK * DK + h * DV + vv, mask=vmask, other=0.0).to(tl.float32)
+    q = (q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps))).to(mixed_ptr.dtype.element_ty).to(tl.float32) * scale
+    k = (k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))).to(mixed_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(a_ptr + r * a_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+    bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-bb))).to(b_ptr.dtype.element_ty).to(tl.float32)
+    o = _state_step(state_ptr, slot, h, HV, DK, DV, kk, vv, vmask, q, k, v, g, beta)
+    tl.store(o_ptr + (r * HV + h) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+
+
+def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps):
+    rows = mixed.shape[0]
+    hv, dk, dv = state_pool.shape[1:]
+    o = mixed.new_empty((rows, hv, dv))
+    if rows == 0:
+        return o
+    if (dk != triton.next_power_of_2(dk) or not state_pool.is_contiguous() or mixed.stride(1) != 1
+            or a.stride(1) != 1 or b.stride(1) != 1 or hv % num_k_heads):
+        return gdn.gdn_decode_fused.backends["reference"].fn(mixed, a, b, A_log, dt_bias, state_pool, slots,
+                                                              num_k_heads, scale, eps)
+    bv = 32 if dk >= 128 else 64
+    _gdn_decode_fused_kernel[(rows, hv, triton.cdiv(dv, bv))](
+        mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state_pool, slots, o, scale, eps,
+        HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=4)
+    return o
+
+
 register_backend(gdn.gdn_decode, "triton", gdn_decode, available=torch.cuda.is_available, priority=30,
                  note="in place over the state pool")
+register_backend(gdn.gdn_decode_fused, "triton", gdn_decode_fused, available=torch.cuda.is_available, priority=30,
+                 note="l2 norms, gates and the step in one kernel, in place over the state pool")

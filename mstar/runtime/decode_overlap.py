@@ -1,0 +1,138 @@
+"""Overlapped decode (EngineConfig.async_output): the host prepares and launches decode step
+k while the device still runs step k-1, and reads step k-1's tokens only after step k is
+queued. The sampled tokens stay on the device and feed the next step (device loop-back);
+their host copy is asynchronous (pinned buffer + event).
+
+Life of a decode step in this mode:
+  launch   every row gets a placeholder as its newest token (its value is on the device),
+           its computed length moves on, and the step's tokens start copying to the host;
+  chain    the next step is launched before the previous one is read back when it is
+           exactly "the same rows, one token further": nothing waits to be admitted (or
+           admissions are held), every running row is in the batch, no row finishes by
+           length, and the page pool has a page for every row. Its input ids are the
+           previous step's tokens, gathered on the device;
+  finish   wait for the copy, write the tokens over the placeholders, commit the pages that
+           are now fully known to the prefix cache, and produce the outputs: a step later
+           than the synchronous path, the same tokens.
+A row that stops on a stop token at step k-1 was already queued in step k: that step's
+writes land in its pages and state slot, freed by then, before any later user of them
+(one stream), and its token is dropped.
+
+Only rows without logprobs, penalties, token masks or pending min_tokens masking, all
+greedy, take this path; any other step runs synchronously after the read-back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.runtime.request import CoreOutput
+
+PLACEHOLDER = -1  # a token whose value is still on the device
+
+
+@dataclass
+class _Inflight:
+    seqs: list  # the step's decode rows, in row order
+    tokens: torch.Tensor  # [D] int64 on the device (the loop-back source)
+    host: torch.Tensor  # [D] int64, pinned: the asynchronous copy
+    event: object  # torch.cuda.Event, or None on CPU
+    positions: list[int]  # per row: index of its placeholder in token_ids
+
+
+class DecodeOverlap:
+    def __init__(self, core):
+        self.core = core
+        dev = core.device
+        self._cuda = dev.type == "cuda"
+        n = core.config.max_num_seqs
+        self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._flip = 0
+        self.inflight: _Inflight | None = None
+        self.num_chained = 0  # steps launched before their predecessor was read back
+
+    # --- which steps qualify -------------------------------------------------------------
+    def eligible(self, seqs) -> bool:
+        core = self.core
+        if core.token_masks.active:
+            return False
+        s = core.sampler
+        for seq in seqs:
+            p = seq.params
+            row = seq.sampler_row
+            if (p.temperature > 0 or p.logprobs is not None or s._uses_penalty[row]
+                    or (seq.num_output_tokens < p.min_tokens and seq.stop_ids)):
+                return False
+        return True
+
+    def can_chain(self) -> bool:
+        """Would the scheduler's next step be the in-flight rows, one token further?"""
+        fl = self.inflight
+        core = self.core
+        sch = core.scheduler
+        if fl is None or core._pending:
+            return False
+        running = sch.running
+        if len(running) != len(fl.seqs) or any(a is not b for a, b in zip(running, fl.seqs)):
+            return False
+        if sch.waiting and not sch.admission_held():
+            return False
+        if core.cm.num_available_pages() < len(running):
+            return False  # a row might need a page the pool does not have: no preemption here
+        for seq in running:
+            # the token in flight must not end the request by length, and the next one is drawn
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len:
+                return False
+        return graphs_fit(core, len(running))
+
+    # --- launch / finish -----------------------------------------------------------------
+    def launch(self, seqs, hidden: torch.Tensor) -> None:
+        """Sample the step's rows on the device, start the host copy, leave placeholders."""
+        core = self.core
+        logits = core.model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1)
+        host = self._host[self._flip][:tokens.shape[0]]
+        self._flip ^= 1
+        host.copy_(tokens, non_blocking=self._cuda)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        positions = []
+        for seq in seqs:
+            positions.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER)
+        self.inflight = _Inflight(list(seqs), tokens, host, event, positions)
+
+    def finish(self, fl: _Inflight | None = None) -> list[CoreOutput]:
+        """Read back a launched step (default: the one in flight): fill the placeholders,
+        commit what is now known, outputs, finishes."""
+        if fl is None:
+            fl, self.inflight = self.inflight, None
+        if fl is None:
+            return []
+        if fl.event is not None:
+            fl.event.synchronize()
+        core = self.core
+        toks = fl.host.tolist()
+        outputs = []
+        for seq, pos, tok in zip(fl.seqs, fl.positions, toks):
+            if core._seqs.get(seq.request_id) is not seq:
+                continue  # aborted (or finished) meanwhile
+            seq.token_ids[pos] = tok
+            if PLACEHOLDER not in seq.token_ids[:seq.num_computed]:
+                core.cm.commit(seq.request_id, seq.token_ids, seq.num_computed)
+            core.num_generated_tokens += 1
+            out = core._token_output(seq, tok, None, pos + 1 - seq.num_prompt_tokens)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                del seq.token_ids[pos + 1:]  # a chained step's placeholder, if any
+                core._seqs.pop(seq.request_id, None)
+                core._drop(seq)
+        return outputs
+
+
+def graphs_fit(core, n: int) -> bool:
+    return core.graphs is not None and core.graphs.bucket(n) is not None
