@@ -237,3 +237,21 @@ def test_overlapped_decode_falls_back_for_sampled_rows():
     got = run_all(core, mk())
     assert core.overlap.num_chained == 0 and core.overlap.inflight is None
     assert got == run_all(engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static"), mk())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_cuda_graph_decode_whisper_matches_eager():
+    """Whisper: self-attention and cross-attention plans per captured batch size."""
+    from mstar.models.whisper_tokens import WhisperTokens
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    from whisper_helpers import clip
+    tok = WhisperTokens.from_vocab_size(51865)
+    prompt = tok.decoder_prompt("en", "transcribe")
+    reqs = lambda: [EngineRequest(str(i), prompt, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0),  # noqa: E731
+                                  audio=clip(2.0 + 3 * i, 200.0 + 50 * i, seed=i)) for i in range(5)]
+    opts = dict(model="whisper-tiny", random_weights=True, device="cuda", dtype="bfloat16", max_num_seqs=8)
+    g = EngineCore(EngineConfig(**opts))
+    assert g.graphs is not None and g.graphs.graphs and g.graphs.cross_plans
+    assert run_all(g, reqs()) == run_all(EngineCore(EngineConfig(decode_graphs="off", **opts)), reqs())

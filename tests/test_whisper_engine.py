@@ -78,9 +78,17 @@ def forced(n=N_NEW):
     return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
 
 
-@pytest.mark.parametrize("language,task", [("en", "transcribe"), ("de", "translate")])
-def test_engine_tokens_match_hf_generate(model_and_tok, waves, hf_ref, language, task):
-    core = make_engine(model_and_tok)
+@pytest.mark.parametrize("language,task,graphs", [("en", "transcribe", "off"), ("de", "translate", "off"),
+                                                  ("en", "transcribe", "static")])
+def test_engine_tokens_match_hf_generate(model_and_tok, waves, hf_ref, language, task, graphs):
+    """graphs="static": decode steps through the CUDA-graph runner's fixed buffers, with a
+    second (cross-attention) plan per batch size and a padding cross slot."""
+    core = make_engine(model_and_tok, decode_graphs=graphs, admit_min_free=0)
+    if graphs == "static":
+        assert core.graphs is not None and core.graphs.cross_plans and core.cm.pad_cross == core.cm.num_cross_slots
+        calls = []
+        run_graph = core.graphs.run
+        core.graphs.run = lambda rows, **kw: calls.append(len(rows.decode_tokens)) or run_graph(rows, **kw)
     prompt = TOK.decoder_prompt(language, task)
     reqs = {0: [EngineRequest("a0", prompt, forced(), audio=waves[0]),
                 EngineRequest("a1", prompt, forced(), audio=waves[1])],
@@ -93,6 +101,8 @@ def test_engine_tokens_match_hf_generate(model_and_tok, waves, hf_ref, language,
     assert len({tuple(v) for v in got.values()}) > 1, "clips should decode differently"
     st = core.stats()
     assert st["encoder_num_encoded"] == 4 and st["encoder_num_calls"] == 3  # a0 + a1 in one call
+    if graphs == "static":
+        assert 3 in calls and 1 in calls  # padded to 4 and to 1 rows
     assert_no_leaks(core)
 
 

@@ -97,8 +97,9 @@ class CacheManager:
     def __init__(self, spec: CacheSpec, *, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device, enable_prefix_cache: bool = True,
                  num_snapshot_slots: int = 0, num_cross_slots: int = 0, padding: bool = False):
-        """padding: one more KV page and state row than the pools hand out (`pad_page`,
-        `pad_slot`), for the padding rows of graph-replayed decode steps to write into."""
+        """padding: one more KV page, state row and cross slot than the pools hand out
+        (`pad_page`, `pad_slot`, `pad_cross`), for the padding rows of graph-replayed decode
+        steps to write into (and, cross slot, read from)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.spec = spec
@@ -135,9 +136,10 @@ class CacheManager:
             c.conv_states.append(torch.zeros((rows, s.conv_dim, s.conv_kernel - 1), dtype=dtype, device=self.device))
             c.recurrent_states.append(torch.zeros((rows, s.num_heads, s.key_dim, s.value_dim),
                                                   dtype=spec.state_dtype, device=self.device))
+        self.pad_cross = self.num_cross_slots if padding and self.has_cross else None
         if self.has_cross:
             for a in spec.cross.layers:
-                shape = (self.num_cross_slots, spec.cross.max_source_len, a.num_kv_heads, a.head_dim)
+                shape = (self.num_cross_slots + extra, spec.cross.max_source_len, a.num_kv_heads, a.head_dim)
                 c.cross_k_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
                 c.cross_v_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
         self.caches = c

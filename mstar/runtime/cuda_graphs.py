@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mstar import ops
-from mstar.models.context import AttentionMetadata, ForwardContext, StateMetadata
+from mstar.models.context import AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata
 from mstar.runtime.step_inputs import StepRows, decode_arrays
 
 log = logging.getLogger("mstar.runtime")
@@ -46,14 +46,18 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphRunner:
     def __init__(self, model, forward, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
-                 max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool):
-        """num_pages: the KV pool's size; max_model_len bounds one row's pages."""
+                 max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool,
+                 pad_cross: int | None = None, cross_source_len: int = 0):
+        """num_pages: the KV pool's size; max_model_len bounds one row's pages.
+        Encoder-decoder models (cross_source_len > 0): each row also attends over its cross
+        slot, a second decode plan per batch size (one page of cross_source_len per row)."""
         self.model = model
         self.forward = forward  # model.forward, or its compiled version
         self.device = torch.device(device)
         self.page_size = page_size
         # models without attention (or without state) have no padding page (or slot)
-        self.pad_page, self.pad_slot = pad_page or 0, pad_slot or 0
+        self.pad_page, self.pad_slot, self.pad_cross = pad_page or 0, pad_slot or 0, pad_cross or 0
+        self.cross_source_len = cross_source_len
         self.capture_enabled = capture
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -72,7 +76,13 @@ class DecodeGraphRunner:
         self._idx_dev = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         self._ptr_host = torch.zeros(B + 1, dtype=torch.int32)
         self._last_host = torch.ones(B, dtype=torch.int32)
+        # cross-attention rows: one page each (indptr = arange), the whole source
+        self._xptr_host = torch.arange(B + 1, dtype=torch.int32)
+        self._xlast_host = torch.full((B,), max(cross_source_len, 1), dtype=torch.int32)
+        self._xidx_host = torch.zeros(B, dtype=torch.int32, pin_memory=pin)
+        self._xidx_dev = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.plans: dict[int, object] = {}
+        self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -97,10 +107,24 @@ class DecodeGraphRunner:
                 st = StateMetadata(decode_slots=self._dev[3, :b], prefill_cu_seqlens=torch.zeros(1, dtype=torch.int32,
                                                                                                  device=self.device),
                                    prefill_slots=empty64, snap_token_idx=empty64, snap_slots=empty64)
+            cross = None
+            if cross_source_len:
+                xa = model.cross_attention_layers[0]
+                xp = ops.decode_graph_plan(
+                    self.device, batch=b, max_pages=b, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
+                    head_dim=xa.head_dim, page_size=cross_source_len, dtype=model.dtype, scale=xa.scale)
+                self.cross_plans[b] = xp
+                cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
+                                               kv_last_page_len=xp.last_page_len)
             self.contexts[b] = ForwardContext(input_ids=self._dev[0, :b], positions=self._dev[1, :b],
-                                              num_decode_tokens=b, attn=md, state=st)
+                                              num_decode_tokens=b, attn=md, state=st, cross=cross)
         self.capture_s = 0.0
         self.graph_memory_bytes = 0
+        # the host buffers above are rewritten every step; with overlapped decode the host runs
+        # ahead of the device, so a step waits until the previous step's copies out of them
+        # were done (recorded right after they were queued: in practice long finished)
+        self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._staged_pending = False
 
     # --- capture --------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -159,6 +183,8 @@ class DecodeGraphRunner:
         return self.forward(self.contexts[b])[:d]
 
     def _fill(self, b: int, d: int, rows: StepRows) -> None:
+        if self._staged_pending:
+            self._staged.synchronize()
         ps = self.page_size
         h = self._host_np
         h[:, d:b] = ((0,), (0,), (self.pad_page * ps,), (self.pad_slot,))
@@ -171,7 +197,14 @@ class DecodeGraphRunner:
             if self.has_state:
                 h[3, :d] = rows.decode_slots
         self._dev[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        if self.cross_source_len:
+            x = self._xidx_host.numpy()
+            x[:d] = rows.decode_cross or ()
+            x[d:b] = self.pad_cross
+            self._xidx_dev[:b].copy_(self._xidx_host[:b], non_blocking=True)
+            self.cross_plans[b].plan(self._xptr_host[:b + 1], self._xidx_dev[:b], self._xlast_host[:b])
         if not self.has_attention:
+            self._mark_staged()
             return
         # page tables: real rows, then one page (the padding page, 1 token) per padding row
         n_real = int(indptr[-1]) if d else 0
@@ -188,3 +221,9 @@ class DecodeGraphRunner:
         idx[n_real:n] = self.pad_page
         self._idx_dev[:n].copy_(self._idx_host[:n], non_blocking=True)
         self.plans[b].plan(self._ptr_host[:b + 1], self._idx_dev[:n], self._last_host[:b])
+        self._mark_staged()
+
+    def _mark_staged(self) -> None:
+        if self._staged is not None:
+            self._staged.record()
+            self._staged_pending = True

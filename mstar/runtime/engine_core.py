@@ -149,8 +149,8 @@ class EngineCore:
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
 
     def _wants_graphs(self, config: EngineConfig, spec) -> bool:
-        if config.decode_graphs == "off" or spec.cross is not None or self.tp is not None:
-            return False  # encoder-decoder and tensor-parallel engines decode eagerly
+        if config.decode_graphs == "off" or self.tp is not None:
+            return False  # tensor-parallel engines decode eagerly
         return config.decode_graphs == "static" or self.device.type == "cuda"
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
@@ -158,7 +158,9 @@ class EngineCore:
         runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, page_size=sizes.page_size,
                                    max_batch=min(config.max_graph_batch, config.max_num_seqs),
                                    num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
-                                   pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto")
+                                   pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto",
+                                   pad_cross=self.cm.pad_cross,
+                                   cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0)
         try:
             runner.capture()
         except Exception as e:  # noqa: BLE001 -- a backend that cannot be captured: decode eagerly
