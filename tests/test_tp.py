@@ -366,3 +366,22 @@ def test_one_all_reduce_per_mixer_and_mlp(kind, monkeypatch):
     calls.update(reduce=0, gather=0)
     h.step(decode={0: 6}, prefill={1: [7, 8, 9]})
     assert calls == {"reduce": 1 + 2 * cfg.num_hidden_layers, "gather": 1}
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_tp2_decode_graph_path(kind):
+    """Decode steps through the graph runner on every rank ("static": the CUDA-graph path's
+    fixed buffers and padding without capturing): rank 0 sends the rows, followers fill
+    their own buffers; tokens equal HF's, with rows padded (5 rows run at 8)."""
+    ps = PS[:5]
+    want = [hf_greedy(kind, p, 32) for p in ps]
+    core = _engine(kind, 2, max_num_seqs=8, decode_graphs="static")
+    try:
+        assert core.graphs is not None and core.overlap is None
+        calls = []
+        run = core.graphs.run
+        core.graphs.run = lambda rows, **kw: calls.append(len(rows.decode_tokens)) or run(rows, **kw)
+        assert _greedy(core, ps) == want
+        assert 5 in calls
+    finally:
+        _closed_cleanly(core)

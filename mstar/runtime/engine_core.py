@@ -126,7 +126,7 @@ class EngineCore:
             admit = config.max_num_seqs // 4 if self.graphs is not None else 0
         self.scheduler.admit_min_free = admit
         self.overlap = None  # overlapped decode (decode_overlap.py)
-        if config.async_output and self.graphs is not None:
+        if config.async_output and self.graphs is not None and self.tp is None:
             from mstar.runtime.decode_overlap import DecodeOverlap
             self.overlap = DecodeOverlap(self)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
@@ -149,18 +149,21 @@ class EngineCore:
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
 
     def _wants_graphs(self, config: EngineConfig, spec) -> bool:
-        if config.decode_graphs == "off" or self.tp is not None:
-            return False  # tensor-parallel engines decode eagerly
+        if config.decode_graphs == "off":
+            return False
         return config.decode_graphs == "static" or self.device.type == "cuda"
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
         from mstar.runtime.cuda_graphs import DecodeGraphRunner
-        runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, page_size=sizes.page_size,
-                                   max_batch=min(config.max_graph_batch, config.max_num_seqs),
-                                   num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
-                                   pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto",
-                                   pad_cross=self.cm.pad_cross,
-                                   cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0)
+        params = dict(page_size=sizes.page_size, max_batch=min(config.max_graph_batch, config.max_num_seqs),
+                      num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
+                      pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto", pad_cross=self.cm.pad_cross,
+                      cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0)
+        runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, **params)
+        if self.tp is not None:  # every rank captures the same graphs at once (no eager fallback)
+            self.tp.start_graphs(params)
+            runner.capture()
+            return runner
         try:
             runner.capture()
         except Exception as e:  # noqa: BLE001 -- a backend that cannot be captured: decode eagerly
@@ -298,6 +301,8 @@ class EngineCore:
         if graphs is not None and not sched.prefill and graphs.bucket(len(sched.decode)) is not None:
             if pt is not None:
                 pt.before_forward()
+            if self.tp is not None:
+                self.tp.send_graph_step(rows)
             hidden = graphs.run(rows)  # the sampling rows, in order
             n_sample = hidden.shape[0]
             if ov is not None and ov.eligible(sched.decode):

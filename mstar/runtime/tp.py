@@ -329,6 +329,24 @@ class TensorParallel:
         for name in ("forward", "compute_logits"):
             setattr(model, name, self._guard(getattr(model, name)))
 
+    # --- decode graphs ---------------------------------------------------------------------
+    def start_graphs(self, params: dict) -> None:
+        """Followers build the same DecodeGraphRunner and capture it now, in step with rank 0
+        (the captured collectives must pair up): call right before rank 0's own capture."""
+        self._send(("graphs", params))
+
+    def send_graph_step(self, rows) -> None:
+        """A graph-replayed decode step: the rows (followers fill their own fixed buffers)."""
+        if self.error:
+            raise TPError(self.error)
+        t0 = time.perf_counter()
+        try:
+            self._send(("gstep", self.cm.take_ops(), rows, time.monotonic()))
+        except (BrokenPipeError, EOFError, OSError) as e:
+            self._raise_follower_error(e)
+        self.plan_steps += 1
+        self.plan_send_s += time.perf_counter() - t0
+
     # --- steps ---------------------------------------------------------------------------
     def _send(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -538,6 +556,21 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout) 
             msg = pickle.loads(data)
             if msg[0] == "shutdown":
                 break
+            if msg[0] == "graphs":  # capture the decode graphs with rank 0
+                from mstar.runtime.cuda_graphs import DecodeGraphRunner
+                runner = DecodeGraphRunner(model, model.forward, device=device, **msg[1])
+                runner.capture()  # (a failure is reported like any other: rank 0's next collective fails)
+                continue
+            if msg[0] == "gstep":  # a graph-replayed decode step
+                _, ops, rows, t_sent = msg
+                t_transit += time.monotonic() - t_sent
+                step += 1
+                replay_ops(cm, hosts, ops)
+                t2 = clock()
+                model.compute_logits(runner.run(rows))
+                t_wait += t1 - t0
+                t_forward += clock() - t2
+                continue
             _, ops, lay, arrays, n_sample, t_sent = msg
             t_transit += time.monotonic() - t_sent
             step += 1
