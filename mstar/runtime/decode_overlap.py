@@ -77,8 +77,8 @@ class DecodeOverlap:
         running = sch.running
         if len(running) != len(fl.seqs) or any(a is not b for a, b in zip(running, fl.seqs)):
             return False
-        if sch.waiting and not sch.admission_held():
-            return False
+        if sch.waiting and len(running) < sch.max_num_seqs and not sch.admission_held():
+            return False  # the scheduler would admit (with no free row it cannot)
         if core.cm.num_available_pages() < len(running):
             return False  # a row might need a page the pool does not have: no preemption here
         for seq in running:
@@ -122,7 +122,9 @@ class DecodeOverlap:
             if core._seqs.get(seq.request_id) is not seq:
                 continue  # aborted (or finished) meanwhile
             seq.token_ids[pos] = tok
-            if PLACEHOLDER not in seq.token_ids[:seq.num_computed]:
+            # the only other placeholder a row can hold is at pos + 1 (a chained step's): every
+            # token below num_computed is known when num_computed <= pos + 1
+            if seq.num_computed <= pos + 1:
                 core.cm.commit(seq.request_id, seq.token_ids, seq.num_computed)
             core.num_generated_tokens += 1
             out = core._token_output(seq, tok, None, pos + 1 - seq.num_prompt_tokens)
