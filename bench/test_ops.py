@@ -81,8 +81,15 @@ def test_op(benchmark, case, backend):
         assert _close(fn(*_clone(args)), entry.backends["reference"].fn(*ref_args), tol), \
             f"{backend} disagrees with the reference on {case.op} {case.label}"
     fn(*args)  # warm-up (compiles, caches)
+    time_and_record(benchmark, case, backend, fn, args, graphs=backend != "reference")
+
+
+def time_and_record(benchmark, case, name, fn, args, graphs=True, **extra) -> None:
+    """Median time of fn(*args) over rounds of ~20 ms (so timer noise is small) -> one row.
+    On CUDA (graphs=True) the round is a CUDA-graph replay: the kernels' time, not Python's
+    launch cost, as in a decode step; what cannot be captured (host syncs) stays eager,
+    marked as such."""
     _sync()
-    # size a round to ~20 ms so timer noise is small
     t0 = time.perf_counter()
     fn(*args)
     _sync()
@@ -95,9 +102,7 @@ def test_op(benchmark, case, backend):
         _sync()
 
     mode = "eager"
-    if DEV == "cuda" and backend != "reference":
-        # Time the kernels, not Python's launch cost: a decode step replays them from a CUDA
-        # graph. Backends that cannot be captured (host syncs) stay eager, marked as such.
+    if DEV == "cuda" and graphs:
         graph = _capture(fn, args, inner)
         if graph is not None:
             mode = "graph"
@@ -108,7 +113,7 @@ def test_op(benchmark, case, backend):
 
     benchmark.pedantic(run, rounds=5 if DEV == "cpu" else 20, iterations=1, warmup_rounds=1)
     median = benchmark.stats.stats.median / inner
-    row = {"op": case.op, "case": case.label, "backend": backend, "mode": mode, "median_us": median * 1e6,
-           **rate_columns(case, median, DEV)}
+    row = {"op": case.op, "case": case.label, "backend": name, "mode": mode, "median_us": median * 1e6,
+           **extra, **rate_columns(case, median, DEV)}
     benchmark.extra_info.update(row)
     ROWS.append(row)

@@ -8,16 +8,15 @@ one-pass kernel, where it loads)."""
 from __future__ import annotations
 
 import importlib
-import time
 
 import pytest
 import torch
 
 from mstar.ops import sampling
 
-from bench.cases import build_cases, rate_columns
-from bench.conftest import ROWS, device
-from bench.test_ops import _capture, _sync
+from bench.cases import build_cases
+from bench.conftest import device
+from bench.test_ops import time_and_record
 
 DEV = device()
 CASES = [c for c in build_cases(DEV, torch.float32) if c.op == "sample"]
@@ -48,31 +47,4 @@ def test_planned(benchmark, case, name, impl):
     want = sampling.sample.backends["reference"].fn(*args)
     decided = out[4]
     assert torch.equal(out[0][decided], want[0][decided]), f"{name} disagrees with the reference on {case.label}"
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    once = max(time.perf_counter() - t0, 1e-6)
-    inner = max(1, min(200, int(0.02 / once)))
-
-    def run():
-        for _ in range(inner):
-            fn()
-        _sync()
-
-    mode = "eager"
-    if DEV == "cuda":
-        graph = _capture(lambda: fn(), (), inner)
-        if graph is not None:
-            mode = "graph"
-
-            def run():
-                graph.replay()
-                _sync()
-
-    benchmark.pedantic(run, rounds=5 if DEV == "cpu" else 20, iterations=1, warmup_rounds=1)
-    median = benchmark.stats.stats.median / inner
-    row = {"op": case.op, "case": case.label, "backend": name, "mode": mode, "median_us": median * 1e6,
-           "decided": int(decided.sum()), **rate_columns(case, median, DEV)}
-    benchmark.extra_info.update(row)
-    ROWS.append(row)
+    time_and_record(benchmark, case, name, fn, (), decided=int(decided.sum()))
