@@ -51,7 +51,8 @@ class EngineConfig:
     # overlapped decode (decode_overlap.py): launch decode step k before reading step k-1's
     # tokens back; with decode graphs only; off until measured on the GPU
     async_output: bool = False
-    # admission batching (scheduler.py): None = max_num_seqs // 4 when decode graphs run, else 0
+    # admission batching (scheduler.py): admit this many at once (None = max_num_seqs // 4 when
+    # decode graphs run, else 0: at once)
     admit_min_free: int | None = None
     # torch.compile the model's forward (compiled_forward.py): "on" (every step), "decode" (only
     # the forward the decode graphs capture: two compiles, b = 1 and b > 1), "off"; "auto" is off

@@ -21,8 +21,8 @@ Memory policy:
   * no admissions in a step that preempted (the pool is known to be tight).
 
 Admission batching (`admit_min_free` > 0): while decode rows are running, new requests
-are admitted only once at least `admit_min_free` rows are free, or once the oldest
-waiting request has waited `admit_max_wait` steps. Decode-only steps replay CUDA graphs
+are admitted only once `admit_min_free` of them can be admitted together (that many rows
+free and that many waiting), or once they have been held `admit_max_wait` steps. Decode-only steps replay CUDA graphs
 and a step with prefill rows runs eagerly, so admitting the requests that finish a few at
 a time in one batch turns many small eager steps into a few large ones. Tokens do not
 change (a row's tokens do not depend on its batch), only when prefills run.
@@ -200,18 +200,20 @@ class Scheduler:
                 budget -= end - seq.num_computed
         return out
 
+    def _batch_ready(self) -> bool:
+        """Enough rows free and enough requests waiting to admit admit_min_free at once."""
+        return min(self.max_num_seqs - len(self.running), len(self.waiting)) >= self.admit_min_free
+
     def admission_held(self) -> bool:
         """Would the next schedule() (with decode rows running) hold the waiting requests back?"""
-        free = self.max_num_seqs - len(self.running)
-        return bool(self.admit_min_free) and free < self.admit_min_free and self._held_steps < self.admit_max_wait
+        return bool(self.admit_min_free) and not self._batch_ready() and self._held_steps < self.admit_max_wait
 
     def _admitting(self, out: SchedulerOutput) -> bool:
         """Admission batching (module docstring): admit now, or hold for a bigger batch."""
         if not self.admit_min_free or not self.waiting or not out.decode or out.prefill:
             self._held_steps = 0
             return True
-        free = self.max_num_seqs - len(self.running)
-        if free >= self.admit_min_free or self._held_steps >= self.admit_max_wait:
+        if self._batch_ready() or self._held_steps >= self.admit_max_wait:
             self._held_steps = 0
             return True
         self._held_steps += 1

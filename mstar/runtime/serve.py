@@ -93,9 +93,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
                         "decode steps run eagerly.")
     e.add_argument("--admit-min-free", type=_nonneg_int, default=None,
-                   help="While decodes run, admit new requests once this many rows are free (or after 16 "
-                        "held steps), so prefills run in few large steps; default: max-num-seqs / 4 with decode "
-                        "graphs, else 0 (admit at once).")
+                   help="While decodes run, admit new requests once this many can be admitted together (rows "
+                        "free and requests waiting) or after 16 held steps, so prefills run in few large steps; "
+                        "default: max-num-seqs / 4 with decode graphs, else 0 (admit at once).")
     e.add_argument("--async-output", action="store_true",
                    help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
                         "tokens are read back (they feed the next step on the device). Greedy rows without "
