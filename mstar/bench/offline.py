@@ -87,8 +87,9 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=256, help="output tokens per request (EOS ignored)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (GPUs)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
-                    help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager")
+    ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "static"],
+                    help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager; static: the graphs' "
+                         "fixed buffers without capturing (any device)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                     help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
     ap.add_argument("--async-output", action="store_true",
