@@ -211,13 +211,16 @@ def test_abort_storm(mode, num_pages, total):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("mode", ["recompute", "offload"])
-def test_preemption_same_tokens(kind, mode):
+@pytest.mark.parametrize("mode,graphs", [("recompute", {}), ("offload", {}),
+                                         ("recompute", {"decode_graphs": "static", "async_output": True}),
+                                         ("offload", {"decode_graphs": "static", "async_output": True})])
+def test_preemption_same_tokens(kind, mode, graphs):
     """A pool far too small for the batch: sequences are preempted (recomputed or offloaded
-    and reloaded) and still produce HF's tokens."""
+    and reloaded) and still produce HF's tokens; also through the decode-graph path with
+    overlapped decode (a step in flight is read back before any preemption)."""
     ps = POOL[:10]
     core = engine(kind, page_size=4, num_pages=60, max_num_batched_tokens=64, max_num_seqs=10,
-                  preemption_mode=mode)
+                  preemption_mode=mode, **graphs)
     got = run_all(core, _greedy_reqs(ps))
     assert core.scheduler.num_preemptions > 0
     for i, p in enumerate(ps):

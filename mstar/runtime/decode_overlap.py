@@ -91,8 +91,9 @@ class DecodeOverlap:
     def launch(self, seqs, hidden: torch.Tensor) -> None:
         """Sample the step's rows on the device, start the host copy, leave placeholders."""
         core = self.core
-        logits = core.model.compute_logits(hidden)
-        tokens = logits.argmax(dim=-1)
+        # greedy: argmax of the head's output in the model dtype (its float32 copy, which
+        # compute_logits returns, orders the same values the same way; tp = 1 here)
+        tokens = torch.nn.functional.linear(hidden, core.model.lm_head_weight()).argmax(dim=-1)
         host = self._host[self._flip][:tokens.shape[0]]
         self._flip ^= 1
         host.copy_(tokens, non_blocking=self._cuda)
