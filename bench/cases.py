@@ -106,6 +106,12 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                                                 rnd(4096, s.rotary_dim, dt=torch.float32), s.rotary_dim),
                               bytes=2 * t * (s.q_heads + s.kv_heads) * s.head_dim * es + t * s.rotary_dim * 4,
                               flops=3 * t * (s.q_heads + s.kv_heads) * s.rotary_dim))
+            cases.append(Case("qk_norm_rope", lab, lambda t=t, s=s: (
+                rnd(t, (2 * s.q_heads + 2 * s.kv_heads) * s.head_dim), torch.randint(0, 4096, (t,), device=dev),
+                rnd(s.head_dim), rnd(s.head_dim), rnd(4096, s.rotary_dim, dt=torch.float32), s.q_heads, s.kv_heads,
+                s.head_dim, s.rotary_dim, 1e-6, True, True),
+                bytes=2 * t * (s.q_heads + 2 * s.kv_heads) * s.head_dim * es + t * s.rotary_dim * 4,
+                flops=6 * t * (s.q_heads + s.kv_heads) * s.head_dim))
             cases.append(Case("kv_append", lab, lambda t=t, s=s: (
                 rnd(t, s.kv_heads, s.head_dim), rnd(t, s.kv_heads, s.head_dim),
                 rnd(t // sz["page"] + 2, sz["page"], s.kv_heads, s.head_dim),

@@ -75,6 +75,14 @@ def test_rotary_and_kv_append(dtype):
     for b in _fast_backends("rotary_embedding"):
         _check("rotary_embedding", b, (pos, r(t, 8, 256, dtype=dtype), r(t, 2, 256, dtype=dtype), cache, 64),
                _tol(dtype))
+    # q/k head norm + rotary from the fused projection: Qwen3.5 (gated, zero-centred, partial
+    # rotary 64 of 256) and Qwen3 (plain weight, full rotary of 128)
+    for hq, hk, d, rd, zc, gated in ((8, 2, 256, 64, True, True), (16, 8, 128, 128, False, False)):
+        qkv = r(t, hq * d * (2 if gated else 1) + 2 * hk * d, dtype=dtype)
+        cs = ops.build_cos_sin_cache(4096, rd, 1e7, device=DEV)
+        for b in _fast_backends("qk_norm_rope"):
+            _check("qk_norm_rope", b, (qkv, pos, r(d, dtype=dtype) * 0.1, r(d, dtype=dtype) * 0.1, cs, hq, hk, d, rd,
+                                       1e-6, zc, gated), _tol(dtype))
     kc, vc = r(40, 16, 2, 256, dtype=dtype), r(40, 16, 2, 256, dtype=dtype)
     slots = torch.randperm(40 * 16, device=DEV)[:t]
     slots[3] = -1

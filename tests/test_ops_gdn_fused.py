@@ -5,18 +5,12 @@ before (bit for bit); the Triton kernel runs here in Triton's CPU interpreter
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from mstar.ops import gdn
 from mstar.ops.norm import _l2_norm_ref
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from triton_interpreter import run_interpreted
 
 
 def _inputs(hk, hv, dk, dv, rows, dtype, seed):
@@ -63,8 +57,7 @@ def test_reference_is_the_composed_path(hk, hv):
 
 
 _SCRIPT = r"""
-import json, os, sys, torch
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import json, torch
 from test_ops_gdn_fused import _inputs
 from mstar.ops import gdn
 from mstar.ops.backends import triton_gdn
@@ -89,11 +82,7 @@ print(json.dumps(out))
 
 
 def test_triton_kernel_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, ROOT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for dtype, d_out, d_state, scale in json.loads(r.stdout.strip().splitlines()[-1]):
+    for dtype, d_out, d_state, scale in run_interpreted(_SCRIPT):
         if dtype == "torch.float32":
             assert d_out < 1e-5 and d_state < 1e-5, (dtype, d_out, d_state)
         else:  # bf16 q/k: one rounding step apart now and then (1 / sqrt vs rsqrt)

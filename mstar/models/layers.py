@@ -397,19 +397,13 @@ class QKNormAttention(nn.Module):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        q_rows = hq * d * (2 if self.output_gate else 1)
-        if self.output_gate:
-            qg = qkv[:, :q_rows].view(t, hq, 2 * d)
-            q, gate = qg[..., :d], qg[..., d:]
-        else:
-            q, gate = qkv[:, :q_rows].view(t, hq, d), None
-        k = qkv[:, q_rows:q_rows + hk * d].view(t, hk, d)
-        v = qkv[:, q_rows + hk * d:].view(t, hk, d)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.contiguous())
-        q, k = ops.rotary_embedding(ctx.positions, q, k, rope.cos_sin_cache, rope.rotary_dim)
-        o = paged_attention(ctx, q, k, v.contiguous(), self.k_cache, self.v_cache, self.scale)
+        # q/k head norms and rotary in one op (one Triton kernel per q and k on CUDA)
+        q, k, v = ops.qk_norm_rope(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
+                                   hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
+                                   self.output_gate)
+        o = paged_attention(ctx, q, k, v, self.k_cache, self.v_cache, self.scale)
         o = o.reshape(t, hq * d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate.reshape(t, hq * d))
+        if self.output_gate:
+            gate = ops.split_qkv_heads(qkv, hq, hk, d, True)[3]
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)

@@ -62,4 +62,50 @@ rotary_embedding = define_op(
     "(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, int rotary_dim) -> (Tensor, Tensor)",
     reference=_rotary_embedding_ref, fake=_rotary_embedding_fake)
 
-__all__ = ["rotary_embedding", "build_cos_sin_cache"]
+
+
+# --- q/k head norms + rotary, from the fused qkv projection ------------------------------------
+def split_qkv_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, gated: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Views of q [T, Hq, D], k, v [T, Hkv, D] and the output gate [T, Hq * D] (gated: each q
+    head is [query D | gate D], Qwen3.5) in the rows of the fused projection."""
+    t, d = qkv.shape[0], head_dim
+    q_rows = num_q_heads * d * (2 if gated else 1)
+    if gated:
+        qg = qkv[:, :q_rows].view(t, num_q_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(t, num_q_heads * d)
+    else:
+        q, gate = qkv[:, :q_rows].view(t, num_q_heads, d), None
+    k = qkv[:, q_rows:q_rows + num_kv_heads * d].view(t, num_kv_heads, d)
+    v = qkv[:, q_rows + num_kv_heads * d:].view(t, num_kv_heads, d)
+    return q, k, v, gate
+
+
+def _qk_norm_rope_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      rotary_dim: int, eps: float, zero_centered: bool, gated: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k, then rotary at `positions` -> contiguous q, k, v."""
+    from mstar.ops.norm import _rms_norm_ref
+    q, k, v, _ = split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
+    q = _rms_norm_ref(q.contiguous(), q_weight, eps, zero_centered)
+    k = _rms_norm_ref(k.contiguous(), k_weight, eps, zero_centered)
+    q, k = _rotary_embedding_ref(positions, q, k, cos_sin_cache, rotary_dim)
+    return q, k, v.contiguous()
+
+
+def _qk_norm_rope_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                       rotary_dim, eps, zero_centered, gated):
+    t = qkv.shape[0]
+    return (qkv.new_empty((t, num_q_heads, head_dim)), qkv.new_empty((t, num_kv_heads, head_dim)),
+            qkv.new_empty((t, num_kv_heads, head_dim)))
+
+
+qk_norm_rope = define_op(
+    "qk_norm_rope",
+    "(Tensor qkv, Tensor positions, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, int num_q_heads, "
+    "int num_kv_heads, int head_dim, int rotary_dim, float eps, bool zero_centered, bool gated) "
+    "-> (Tensor, Tensor, Tensor)",
+    reference=_qk_norm_rope_ref, fake=_qk_norm_rope_fake)
+
+__all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "split_qkv_heads"]

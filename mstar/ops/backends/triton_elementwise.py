@@ -73,6 +73,63 @@ def _rotate(positions, x, cache, rotary_dim):
     return out
 
 
+@triton.jit
+def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, cache_ptr, dst_ptr, eps, n_heads,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, ZC: tl.constexpr):
+    # one program per (token, head): RMSNorm of the head (rounded as ops.rms_norm rounds), then
+    # rotary over its first 2 * HALF dims (rounded as ops.rotary_embedding rounds)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = src_ptr + t * src_tok_stride + h * src_head_stride
+    dd = tl.arange(0, BLOCK_D)
+    m = dd < D
+    x = tl.load(base + dd, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    i = tl.arange(0, HALF)
+    x1 = tl.load(base + i).to(tl.float32) * inv
+    x2 = tl.load(base + HALF + i).to(tl.float32) * inv
+    w = tl.load(w_ptr + dd, mask=m, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + i).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
+    ty = dst_ptr.dtype.element_ty
+    if ZC:
+        y = (x * inv * (1.0 + w)).to(ty)
+        y1 = (x1 * (1.0 + w1)).to(ty).to(tl.float32)
+        y2 = (x2 * (1.0 + w2)).to(ty).to(tl.float32)
+    else:
+        y = ((x * inv).to(ty).to(tl.float32) * w).to(ty)
+        y1 = (x1.to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        y2 = (x2.to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i)
+    out = dst_ptr + (t * n_heads + h) * D
+    tl.store(out + dd, y, mask=m & (dd >= 2 * HALF))  # the part rotary passes through
+    tl.store(out + i, (y1 * cos - y2 * sin).to(ty))
+    tl.store(out + HALF + i, (y2 * cos + y1 * sin).to(ty))
+
+
+def _norm_rope(x, positions, weight, cache, eps, zero_centered, rotary_dim):
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        _norm_rope_kernel[(t, h)](x, x.stride(0), x.stride(1), positions, weight, cache, out, eps, h, D=d,
+                                  BLOCK_D=triton.next_power_of_2(d), HALF=rotary_dim // 2, ZC=zero_centered)
+    return out
+
+
+def qk_norm_rope(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                 rotary_dim, eps, zero_centered, gated):
+    if rotary_dim // 2 != triton.next_power_of_2(rotary_dim // 2) or qkv.stride(-1) != 1:
+        return rotary.qk_norm_rope.backends["reference"].fn(qkv, positions, q_weight, k_weight, cos_sin_cache,
+                                                             num_q_heads, num_kv_heads, head_dim, rotary_dim, eps,
+                                                             zero_centered, gated)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    q, k, v, _ = rotary.split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
+    return (_norm_rope(q, positions, q_weight, cache, eps, zero_centered, rotary_dim),
+            _norm_rope(k, positions, k_weight, cache, eps, zero_centered, rotary_dim), v.contiguous())
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
     if rotary_dim // 2 != triton.next_power_of_2(rotary_dim // 2):  # tl.arange needs powers of two
         return rotary.rotary_embedding.backends["reference"].fn(positions, q, k, cos_sin_cache, rotary_dim)
@@ -112,3 +169,5 @@ def kv_append(k, v, k_cache, v_cache, slot_mapping):
 register_backend(activation.silu_and_mul, "triton", silu_and_mul, available=_cuda, priority=20)
 register_backend(rotary.rotary_embedding, "triton", rotary_embedding, available=_cuda, priority=20)
 register_backend(attention.kv_append, "triton", kv_append, available=_cuda, priority=20)
+register_backend(rotary.qk_norm_rope, "triton", qk_norm_rope, available=_cuda, priority=20,
+                 note="norm + rotary of each q / k head in one kernel")
