@@ -91,7 +91,7 @@ def _qk_norm_rope_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torc
     q = _rms_norm_ref(q.contiguous(), q_weight, eps, zero_centered)
     k = _rms_norm_ref(k.contiguous(), k_weight, eps, zero_centered)
     q, k = _rotary_embedding_ref(positions, q, k, cos_sin_cache, rotary_dim)
-    return q, k, v.contiguous()
+    return q, k, v.clone(memory_format=torch.contiguous_format)  # never a view of qkv (custom-op rule)
 
 
 def _qk_norm_rope_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,

@@ -127,7 +127,8 @@ def qk_norm_rope(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads,
     cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     q, k, v, _ = rotary.split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
     return (_norm_rope(q, positions, q_weight, cache, eps, zero_centered, rotary_dim),
-            _norm_rope(k, positions, k_weight, cache, eps, zero_centered, rotary_dim), v.contiguous())
+            _norm_rope(k, positions, k_weight, cache, eps, zero_centered, rotary_dim),
+            v.clone(memory_format=torch.contiguous_format))
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
