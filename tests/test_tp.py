@@ -385,3 +385,23 @@ def test_tp2_decode_graph_path(kind):
         assert 5 in calls
     finally:
         _closed_cleanly(core)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_cuda_graphs_match_eager():
+    """NCCL: every rank captures the decode graphs (all-reduces inside them) and replays them;
+    tokens equal the eager tp=2 engine's. Run on the two-GPU host."""
+    opts = dict(model="tiny-qwen3", random_weights=True, device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
+                max_model_len=256)
+    ps = [[t % 259 for t in p] for p in PS]  # the tiny presets' vocab
+    outs = []
+    for graphs in ("auto", "off"):
+        from mstar.runtime.engine_core import EngineCore
+        core = EngineCore(EngineConfig(decode_graphs=graphs, **opts))
+        try:
+            assert (core.graphs is not None and bool(core.graphs.graphs)) == (graphs == "auto")
+            outs.append(_greedy(core, ps, 16))
+        finally:
+            _closed_cleanly(core)
+    assert outs[0] == outs[1]
