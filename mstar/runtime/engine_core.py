@@ -71,6 +71,9 @@ class EngineCore:
         max_len = config.resolve_max_model_len(getattr(mcfg, "max_position_embeddings", None))
 
         spec = model.cache_spec()
+        # decode-only steps replay CUDA graphs (cuda_graphs.py) on CUDA, or their buffers in "static"
+        wants_graphs = config.decode_graphs == "static" or (config.decode_graphs == "auto"
+                                                            and self.device.type == "cuda")
         sizes = size_caches(config if self.tp is None else self.tp.sizing_config(config), spec, self.dtype,
                             self.device, max_len)
         if spec.attention:
@@ -83,7 +86,7 @@ class EngineCore:
                           num_slots=sizes.num_slots, dtype=self.dtype, device=self.device,
                           enable_prefix_cache=config.enable_prefix_caching,
                           num_snapshot_slots=sizes.num_snapshot_slots if spec.state else 0,
-                          num_cross_slots=sizes.num_cross_slots, padding=self._wants_graphs(config, spec))
+                          num_cross_slots=sizes.num_cross_slots, padding=wants_graphs)
         model.bind_caches(self.cm.caches)
         if self.tp is not None:
             self.tp.attach(model)  # followers allocate the same caches
@@ -116,19 +119,12 @@ class EngineCore:
         self.inputs = make_inputs(page_size=self.page_size, device=self.device,
                                   has_attention=self.has_attention, has_state=self.has_state,
                                   cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
-        # decode-only steps replay CUDA graphs (cuda_graphs.py); None: every step eager
-        self.graphs = None
-        if self._wants_graphs(config, spec):
-            self.graphs = self._capture_graphs(config, sizes, max_len)
+        self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
         # admission batching: with graphs, few large eager prefill steps beat many small ones
         admit = config.admit_min_free
         if admit is None:
             admit = config.max_num_seqs // 4 if self.graphs is not None else 0
         self.scheduler.admit_min_free = admit
-        self.overlap = None  # overlapped decode (decode_overlap.py)
-        if config.async_output and self.graphs is not None and self.tp is None:
-            from mstar.runtime.decode_overlap import DecodeOverlap
-            self.overlap = DecodeOverlap(self)
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}
@@ -141,17 +137,16 @@ class EngineCore:
         # MSTAR_PHASE_TIMING: per-step phase times (phase_timing.py); None (the default) costs
         # one `is not None` test per phase boundary and no clock or sync
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
-        if self.phase_timer is not None and self.overlap is not None:
-            log.warning("MSTAR_PHASE_TIMING synchronizes every step: overlapped decode (async_output) is off")
-            self.overlap = None
+        self.overlap = None  # overlapped decode (decode_overlap.py)
+        if config.async_output and self.graphs is not None and self.tp is None:
+            if self.phase_timer is not None:
+                log.warning("MSTAR_PHASE_TIMING synchronizes every step: overlapped decode (async_output) is off")
+            else:
+                from mstar.runtime.decode_overlap import DecodeOverlap
+                self.overlap = DecodeOverlap(self)
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
-
-    def _wants_graphs(self, config: EngineConfig, spec) -> bool:
-        if config.decode_graphs == "off":
-            return False
-        return config.decode_graphs == "static" or self.device.type == "cuda"
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
         from mstar.runtime.cuda_graphs import DecodeGraphRunner
