@@ -2,9 +2,11 @@
 
 Everything is computed on the host in numpy, packed into two flat buffers (one int64, one
 int32) and moved to the device with one copy each; the context's tensors are views into
-those two device buffers. Per-row Python work is limited to gathering each row's page
-list and token slice (which live in Python lists in the cache manager and the sequence);
-positions, slot mapping, indptrs and last-page lengths are vectorised.
+those two device buffers, except the attention indptrs and last-page lengths, which stay
+on the host (one small host buffer) for the backends that plan from them. Per-row Python
+work is limited to gathering each row's page list and token slice (which live in Python
+lists in the cache manager and the sequence); positions, slot mapping, indptrs and
+last-page lengths are vectorised.
 
 Layout (see mstar/models/context.py): decode rows first (one token each, the sequence's
 last token at position len-1), then prefill rows (tokens [start, end) at positions
@@ -132,31 +134,28 @@ class StepInputBuilder:
         snap_idx = np.asarray([s[0] for s in snaps], dtype=np.int64)
         snap_slots = np.asarray([s[1] for s in snaps], dtype=np.int64)
 
-        # ---- pack: one int64 buffer, one int32 buffer -------------------------------------------
+        # ---- pack: one int64 and one int32 buffer for the device; the indptrs and last-page
+        # lengths stay on the host (context.py allows it): attention backends plan from them
+        # without reading the device ---------------------------------------------------------------
         i64_parts = [input_ids, positions, slot_mapping, logits_idx,
                      np.asarray(rows.decode_slots, dtype=np.int64),
                      np.asarray(rows.prefill_slots, dtype=np.int64), snap_idx, snap_slots]
-        i32_parts = [d_indptr, d_indices, d_last, qo_indptr, p_indptr, p_indices, p_last, x_idx]
+        i32_parts = [d_indices, qo_indptr, p_indices, x_idx]  # qo_indptr: the GDN rows' cu_seqlens
+        host_parts = [d_indptr, d_last, qo_indptr, p_indptr, p_last]
         b64 = self._to_device(np.concatenate(i64_parts))
         b32 = self._to_device(np.concatenate(i32_parts).astype(np.int32))
         v64 = _split(b64, [len(a) for a in i64_parts])
-        v32 = _split(b32, [len(a) for a in i32_parts])
         t_ids, t_pos, t_slotmap, t_logits, t_dslots, t_pslots, t_snapi, t_snaps = v64
-        t_dindptr, t_dind, t_dlast, t_qo, t_pindptr, t_pind, t_plast, t_xidx = v32
+        t_dind, t_qo, t_pind, t_xidx = _split(b32, [len(a) for a in i32_parts])
 
         attn = None
         if self.has_attention:
-            if self.device.type != "cpu":
-                # indptrs and last-page lengths stay on the host too (context.py allows it):
-                # attention backends plan from them without reading the device
-                h = [torch.from_numpy(a.astype(np.int32)) for a in (d_indptr, d_last, qo_indptr, p_indptr, p_last)]
-                t_dindptr, t_dlast, h_qo, t_pindptr, t_plast = h
-            else:
-                h_qo = t_qo
-            attn = AttentionMetadata(slot_mapping=t_slotmap, decode_kv_indptr=t_dindptr,
-                                     decode_kv_indices=t_dind, decode_kv_last_page_len=t_dlast,
-                                     prefill_qo_indptr=h_qo, prefill_kv_indptr=t_pindptr,
-                                     prefill_kv_indices=t_pind, prefill_kv_last_page_len=t_plast)
+            h = _split(torch.from_numpy(np.concatenate(host_parts).astype(np.int32)), [len(a) for a in host_parts])
+            h_dindptr, h_dlast, h_qo, h_pindptr, h_plast = h
+            attn = AttentionMetadata(slot_mapping=t_slotmap, decode_kv_indptr=h_dindptr,
+                                     decode_kv_indices=t_dind, decode_kv_last_page_len=h_dlast,
+                                     prefill_qo_indptr=h_qo, prefill_kv_indptr=h_pindptr,
+                                     prefill_kv_indices=t_pind, prefill_kv_last_page_len=h_plast)
         state = None
         if self.has_state:
             state = StateMetadata(decode_slots=t_dslots, prefill_cu_seqlens=t_qo, prefill_slots=t_pslots,
