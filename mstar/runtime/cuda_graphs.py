@@ -9,7 +9,8 @@ Per step the host only
      staging buffer and copies it to the device buffers the graph reads (one copy);
   2. refreshes the attention plan outside the graph: page indices go to a fixed device
      buffer, and the backend's decode plan (ops.decode_graph_plan) writes its schedule into
-     the fixed buffers its captured kernels read;
+     the fixed buffers its captured kernels read (cross-attention: planned once, since
+     every row reads one whole-source page; only the slots change);
   3. replays the graph; the hidden states of the real rows are a view of its output.
 
 Padding rows (B - D of them) decode token 0 at position 0 over a page and a state slot
@@ -23,6 +24,7 @@ Prefill and mixed steps run eagerly (build a ForwardContext per step).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -77,10 +79,7 @@ class DecodeGraphRunner:
         self._ptr_host = torch.zeros(B + 1, dtype=torch.int32)
         self._last_host = torch.ones(B, dtype=torch.int32)
         # cross-attention rows: one page each (indptr = arange), the whole source
-        self._xptr_host = torch.arange(B + 1, dtype=torch.int32)
-        self._xlast_host = torch.full((B,), max(cross_source_len, 1), dtype=torch.int32)
         self._xidx_host = torch.zeros(B, dtype=torch.int32, pin_memory=pin)
-        self._xidx_dev = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.plans: dict[int, object] = {}
         self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
@@ -113,6 +112,9 @@ class DecodeGraphRunner:
                 xp = ops.decode_graph_plan(
                     self.device, batch=b, max_pages=b, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
                     head_dim=xa.head_dim, page_size=cross_source_len, dtype=model.dtype, scale=xa.scale)
+                xp.plan(torch.arange(b + 1, dtype=torch.int32), torch.full((b,), pad_cross or 0, dtype=torch.int32,
+                                                                         device=self.device),
+                        torch.full((b,), cross_source_len, dtype=torch.int32))
                 self.cross_plans[b] = xp
                 cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
                                                kv_last_page_len=xp.last_page_len)
@@ -163,10 +165,7 @@ class DecodeGraphRunner:
         """The captured batch size a decode step of num_rows rows runs at (None: too many)."""
         if num_rows > self.max_batch or num_rows < 1:
             return None
-        for b in self.sizes:
-            if b >= num_rows:
-                return b
-        return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
 
     def run(self, rows: StepRows, loopback: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [D, hidden] of a decode-only step (D = len(rows.decode_tokens)).
@@ -198,11 +197,12 @@ class DecodeGraphRunner:
                 h[3, :d] = rows.decode_slots
         self._dev[:, :b].copy_(self._host[:, :b], non_blocking=True)
         if self.cross_source_len:
+            # every row reads one whole-source page: the plan (planned at construction) never
+            # changes, only which cross slot each row reads
             x = self._xidx_host.numpy()
             x[:d] = rows.decode_cross or ()
             x[d:b] = self.pad_cross
-            self._xidx_dev[:b].copy_(self._xidx_host[:b], non_blocking=True)
-            self.cross_plans[b].plan(self._xptr_host[:b + 1], self._xidx_dev[:b], self._xlast_host[:b])
+            self.cross_plans[b].indices[:b].copy_(self._xidx_host[:b], non_blocking=True)
         if not self.has_attention:
             self._mark_staged()
             return
