@@ -157,10 +157,6 @@ class CacheManager:
     def _available_pages(self) -> int:
         return self._pool.num_free + self._prefix.num_idle
 
-    def num_available_pages(self) -> int:
-        """Pages a request could get now: free ones plus idle cached ones (evictable)."""
-        return self._available_pages()
-
     def _take_page(self) -> int:
         p = self._pool.take()
         if p is None:

@@ -58,14 +58,10 @@ class DecodeOverlap:
         core = self.core
         if core.token_masks.active:
             return False
-        s = core.sampler
-        for seq in seqs:
-            p = seq.params
-            row = seq.sampler_row
-            if (p.temperature > 0 or p.logprobs is not None or s._uses_penalty[row]
-                    or (seq.num_output_tokens < p.min_tokens and seq.stop_ids)):
-                return False
-        return True
+        plain = core.sampler.plain_greedy
+        # min_tokens not reached: the stop ids are masked before sampling (the synchronous path)
+        return all(plain(seq.sampler_row) and not (seq.num_output_tokens < seq.params.min_tokens and seq.stop_ids)
+                   for seq in seqs)
 
     def can_chain(self) -> bool:
         """Would the scheduler's next step be the in-flight rows, one token further?"""
@@ -79,7 +75,7 @@ class DecodeOverlap:
             return False
         if sch.waiting and len(running) < sch.max_num_seqs and not sch.admission_held():
             return False  # the scheduler would admit (with no free row it cannot)
-        if core.cm.num_available_pages() < len(running):
+        if core.cm.num_free_pages < len(running):
             return False  # a row might need a page the pool does not have: no preemption here
         for seq in running:
             # the token in flight must not end the request by length, and the next one is drawn

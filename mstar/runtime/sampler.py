@@ -97,6 +97,10 @@ class Sampler:
                 self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         return row
 
+    def plain_greedy(self, row: int) -> bool:
+        """The row's token is the argmax of its logits: greedy, no penalties, no logprobs."""
+        return bool(self._greedy[row] and not self._uses_penalty[row] and self._num_logprobs[row] < 0)
+
     def release(self, row: int) -> None:
         if row < 0:
             return
@@ -157,9 +161,10 @@ class Sampler:
         nlp = self._num_logprobs[rows_np]
         n_top = int(nlp.max()) if B else -1
         plan = None
-        if self._greedy[rows_np].all() and n_top < 0:  # argmax only: no softmax over the vocabulary
+        greedy = self._greedy[rows_np].all()
+        if greedy and n_top < 0:  # argmax only: no softmax over the vocabulary
             tokens, tok_lp, top_ids, top_lp = logits.argmax(dim=-1), None, None, None
-        elif self._greedy[rows_np].all():  # no sort over the vocabulary for an all-greedy batch
+        elif greedy:  # no sort over the vocabulary for an all-greedy batch
             tokens, tok_lp, top_ids, top_lp = ops.greedy_sample(logits, max(n_top, 0))
         else:
             args = (logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t)
