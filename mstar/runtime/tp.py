@@ -337,15 +337,7 @@ class TensorParallel:
 
     def send_graph_step(self, rows) -> None:
         """A graph-replayed decode step: the rows (followers fill their own fixed buffers)."""
-        if self.error:
-            raise TPError(self.error)
-        t0 = time.perf_counter()
-        try:
-            self._send(("gstep", self.cm.take_ops(), rows, time.monotonic()))
-        except (BrokenPipeError, EOFError, OSError) as e:
-            self._raise_follower_error(e)
-        self.plan_steps += 1
-        self.plan_send_s += time.perf_counter() - t0
+        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic()))
 
     # --- steps ---------------------------------------------------------------------------
     def _send(self, msg) -> None:
@@ -354,12 +346,17 @@ class TensorParallel:
             c.send_bytes(data)
 
     def send_step(self, ctx, n_sample: int, rec: list[tuple[np.ndarray, torch.Tensor]]) -> None:
+        self._send_plan(lambda: ("step", self.cm.take_ops(), _layout(ctx, [t for _, t in rec]), [a for a, _ in rec],
+                                 n_sample, time.monotonic()))
+
+    def _send_plan(self, make_msg) -> None:
+        """Send a step's plan (built by make_msg) to every follower; time it."""
         if self.error:
             raise TPError(self.error)
         t0 = time.perf_counter()
-        lay = _layout(ctx, [t for _, t in rec])
+        msg = make_msg()
         try:
-            self._send(("step", self.cm.take_ops(), lay, [a for a, _ in rec], n_sample, time.monotonic()))
+            self._send(msg)
         except (BrokenPipeError, EOFError, OSError) as e:
             self._raise_follower_error(e)
         self.plan_steps += 1
