@@ -52,11 +52,12 @@ def run(args) -> list[dict]:
                "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
                "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output, "graph_capture_s": _capture_s(llm),
+               "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output,
+               "graph_capture_s": _capture_s(llm),
                "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
-        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  ({dt:.1f} s; start-up {t_run - t_start:.1f} s)",
-              flush=True)
+        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  "
+              f"({dt:.1f} s; start-up {t_run - t_start:.1f} s)", flush=True)
         records.append(rec)
         llm.close()  # tp > 1: stop the followers before the next engine
         del llm

@@ -394,13 +394,18 @@ def format_table(recs: list[dict[str, Any]]) -> str:
             ("ITL p90 ms", "itl_p90_ms", "{:.2f}"), ("failed", "failed", "{}")]
     if any("peak_gpu_mem" in r for r in recs):
         cols.append(("peak GiB", "peak_gpu_mem", "{:.2f}"))
+    return "\n".join(table_lines(cols, recs))
+
+
+def table_lines(cols: list[tuple[str, str, str]], recs: list[dict[str, Any]]) -> list[str]:
+    """A right-aligned text table: cols are (header, record key, format); missing values "-"."""
     rows = [[h for h, _, _ in cols]]
     for r in recs:
         rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for _, k, fmt in cols])
     w = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = ["  ".join(row[i].rjust(w[i]) for i in range(len(cols))) for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import _REPO, closed_loop, git_commit, percentile, report_records
+from mstar.bench.serve import _REPO, closed_loop, git_commit, percentile, report_records, table_lines
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
 
@@ -236,12 +236,7 @@ def format_table(recs: list[dict[str, Any]]) -> str:
     cols = [("c", "concurrency", "{}"), ("N", "num_requests", "{}"), ("req/s", "req_s", "{:.2f}"),
             ("first tok p50 ms", "first_token_p50_ms", "{:.1f}"), ("first tok p90 ms", "first_token_p90_ms", "{:.1f}"),
             ("latency p90 ms", "latency_p90_ms", "{:.1f}"), ("failed", "failed", "{}")]
-    rows = [[h for h, _, _ in cols]]
-    for r in recs:
-        rows.append([fmt.format(r[k]) if r.get(k) is not None else "-" for _, k, fmt in cols])
-    w = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    lines = ["  ".join(row[i].rjust(w[i]) for i in range(len(cols))) for row in rows]
-    lines.insert(1, "  ".join("-" * x for x in w))
+    lines = table_lines(cols, recs)
     for r in recs:
         if r.get("phases"):
             lines.append(f"c={r['concurrency']} phases (ms/request): "
