@@ -81,8 +81,7 @@ def test_fast_backends_same_tokens_as_reference(mix, V):
 
 def test_triton_pass_matches_torch_pass():
     ts = _load_triton()
-    if ts is None:
-        pytest.skip("no Triton")
+    assert ts is not None, "the Triton sampling backend did not load (CUDA tests run where Triton is installed)"
     gen = torch.Generator().manual_seed(3)
     R, V = 96, 248320
     lf = _lm_logits(R, V, gen)

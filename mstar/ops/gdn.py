@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from mstar.ops.norm import _l2_norm_ref, l2_norm
 from mstar.ops.registry import define_op
 
 CHUNK = 64
@@ -199,8 +200,7 @@ def split_qkv(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_head
               l2norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The conv output [T, 2 Hk Dk + Hv Dv] -> L2-normalised q, k (repeated onto the value
     heads: key head i serves value heads i*r .. i*r+r-1) and v, each [T, Hv, D]."""
-    from mstar.ops.norm import l2_norm as _l2_norm
-    l2norm = l2norm or _l2_norm
+    l2norm = l2norm or l2_norm
     t, kd = mixed.shape[0], num_k_heads * head_k_dim
     q = l2norm(mixed[:, :kd].reshape(t, num_k_heads, head_k_dim).contiguous(), eps)
     k = l2norm(mixed[:, kd:2 * kd].reshape(t, num_k_heads, head_k_dim).contiguous(), eps)
@@ -216,7 +216,6 @@ def _gdn_decode_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                           scale: float, eps: float) -> torch.Tensor:
     """A decode step of Qwen3.5's Gated DeltaNet from the conv output: split and L2-normalise
     q, k, gates, recurrent update of state_pool[slots] in place -> o [B, Hv, Dv]."""
-    from mstar.ops.norm import _l2_norm_ref
     hv, dk, dv = state_pool.shape[1:]
     q, k, v = split_qkv(mixed, num_k_heads, dk, hv, dv, eps, _l2_norm_ref)
     g, beta = gdn_gates(a, b, A_log, dt_bias)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from mstar.ops.norm import _rms_norm_ref
 from mstar.ops.registry import define_op
 
 
@@ -86,7 +87,6 @@ def _qk_norm_rope_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torc
                       rotary_dim: int, eps: float, zero_centered: bool, gated: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, then rotary at `positions` -> contiguous q, k, v."""
-    from mstar.ops.norm import _rms_norm_ref
     q, k, v, _ = split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
     q = _rms_norm_ref(q.contiguous(), q_weight, eps, zero_centered)
     k = _rms_norm_ref(k.contiguous(), k_weight, eps, zero_centered)
