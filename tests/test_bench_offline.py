@@ -11,7 +11,7 @@ import pytest
 from mstar.bench import offline
 
 
-@pytest.mark.parametrize("extra", [["--decode-graphs", "off"], ["--decode-graphs", "static", "--async-output"]])
+@pytest.mark.parametrize("extra", [["--decode-graphs", "off"], ["--decode-graphs", "static", "--async-output", "on"]])
 def test_offline_bench_records(tmp_path, extra):
     out = tmp_path / "offline.jsonl"
     offline.main(["--model", "tiny-qwen3.5", "--concurrency", "2", "4", "--num-prompts", "6", "--input-len", "12",
@@ -20,5 +20,5 @@ def test_offline_bench_records(tmp_path, extra):
     assert [r["concurrency"] for r in recs] == [2, 4]
     for r in recs:
         assert r["num_prompts"] == 6 and r["output_len"] == 5 and r["output_tok_s"] > 0
-        assert r["decode_graphs"] == extra[1] and r["async_output"] == ("--async-output" in extra)
+        assert r["decode_graphs"] == extra[1] and r["async_output"] == ("on" if "--async-output" in extra else "auto")
         assert r["startup_s"] >= 0 and r["commit"] and r["backends"]["sample"]

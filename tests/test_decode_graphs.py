@@ -76,8 +76,15 @@ def test_padding_rows_touch_only_the_padding_page_and_slot(kind):
 
 def test_graphs_off_on_cpu_by_default_and_config_checked():
     core = engine("qwen3.5", max_num_seqs=4)
-    assert core.graphs is None and core.cm.pad_page is None
+    assert core.graphs is None and core.cm.pad_page is None and core.overlap is None
+    # async_output "auto" (the default) overlaps only captured graphs: not "static" ones
+    assert engine("qwen3.5", max_num_seqs=4, decode_graphs="static").overlap is None
+    assert engine("qwen3.5", max_num_seqs=4, decode_graphs="static", async_output="on").overlap is not None
     from mstar.runtime.config import EngineConfig
+    assert EngineConfig(async_output=True).async_output == "on"
+    assert EngineConfig(async_output=False).async_output == "off"
+    with pytest.raises(ValueError, match="async_output"):
+        EngineConfig(async_output="sometimes")
     with pytest.raises(ValueError, match="decode_graphs"):
         EngineConfig(decode_graphs="sometimes")
     with pytest.raises(ValueError, match="max_graph_batch"):

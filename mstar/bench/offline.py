@@ -93,8 +93,9 @@ def main(argv=None):
                          "fixed buffers without capturing (any device)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                     help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
-    ap.add_argument("--async-output", action="store_true",
-                    help="overlapped decode: launch step k before reading step k-1's tokens back")
+    ap.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],
+                    help="overlapped decode: launch step k before reading step k-1's tokens back (auto: on "
+                         "where decode graphs are captured)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="token budget of a step (default: 8192 on CUDA, 2048 on CPU)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

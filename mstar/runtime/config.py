@@ -49,8 +49,9 @@ class EngineConfig:
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
     # overlapped decode (decode_overlap.py): launch decode step k before reading step k-1's
-    # tokens back; with decode graphs only; off until measured on the GPU
-    async_output: bool = False
+    # tokens back; with decode graphs only. "auto": on where graphs are captured (CUDA, tp 1):
+    # +25-50% output tok/s at c8-c128 on the H200 (notes/gpu-2026-11-30-s3.md); True/False = on/off
+    async_output: str | bool = "auto"
     # admission batching (scheduler.py): admit this many at once (None = max_num_seqs // 4 when
     # decode graphs run, else 0: at once)
     admit_min_free: int | None = None
@@ -91,6 +92,10 @@ class EngineConfig:
         pos("max_graph_batch")
         if self.compile not in ("auto", "on", "decode", "off"):
             raise ValueError(f"compile: must be 'auto', 'on', 'decode' or 'off', got {self.compile!r}")
+        if self.async_output is True or self.async_output is False:
+            self.async_output = "on" if self.async_output else "off"
+        if self.async_output not in ("auto", "on", "off"):
+            raise ValueError(f"async_output: must be 'auto', 'on' or 'off', got {self.async_output!r}")
         if self.decode_graphs not in ("auto", "off", "static"):
             raise ValueError(f"decode_graphs: must be 'auto', 'off' or 'static', got {self.decode_graphs!r}")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

@@ -138,7 +138,8 @@ class EngineCore:
         # one `is not None` test per phase boundary and no clock or sync
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
         self.overlap = None  # overlapped decode (decode_overlap.py)
-        if config.async_output and self.graphs is not None and self.tp is None:
+        overlap = config.async_output == "on" or (config.async_output == "auto" and config.decode_graphs == "auto")
+        if overlap and self.graphs is not None and self.tp is None:
             if self.phase_timer is not None:
                 log.warning("MSTAR_PHASE_TIMING synchronizes every step: overlapped decode (async_output) is off")
             else:

@@ -96,10 +96,11 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="While decodes run, admit new requests once this many can be admitted together (rows "
                         "free and requests waiting) or after 16 held steps, so prefills run in few large steps; "
                         "default: max-num-seqs / 4 with decode graphs, else 0 (admit at once).")
-    e.add_argument("--async-output", action="store_true",
+    e.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],
                    help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
                         "tokens are read back (they feed the next step on the device). Greedy rows without "
-                        "logprobs or penalties only; other steps run synchronously.")
+                        "logprobs or penalties only; other steps run synchronously. auto: on where decode "
+                        "graphs are captured (CUDA, tp 1).")
     e.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                    help="torch.compile the model's forward so Inductor fuses the code between mstar's ops: "
                         "on (every step), decode (only inside the decode graphs), off; auto: off until it "
