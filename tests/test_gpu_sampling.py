@@ -95,6 +95,24 @@ def test_triton_pass_matches_torch_pass():
     assert torch.equal(ts.gumbel_argmax(lf, t, seeds, steps), sampling._gumbel_argmax(lf / t[:, None], seeds, steps))
 
 
+def _exact_tie(li, gi, gj):
+    """(li', x) with li' + gi == x + gj exactly in fp32 and x != li'. Not every sum is reachable
+    (x may have a coarser ulp than the sum), so li is nudged until one is."""
+    up = torch.tensor(float("inf"), device=li.device)
+    for _ in range(64):
+        target = li + gi
+        x = target - gj
+        for _ in range(64):
+            s = x + gj
+            if s == target:
+                break
+            x = torch.nextafter(x, up if s < target else -up)
+        if x + gj == target and x != li:
+            return li, x
+        li = torch.nextafter(li, up)
+    raise AssertionError("no exact tie found")
+
+
 def test_noisy_ties_break_like_the_reference():
     """Logit + noise equal for two tokens far apart: the larger logit wins, as in sorted order.
     Bit-exact only if every path computes the noise and the division exactly like the reference."""
@@ -103,16 +121,9 @@ def test_noisy_ties_break_like_the_reference():
     seeds, steps = torch.tensor([77], device=DEV), torch.tensor([5], device=DEV)
     g = -torch.log(-torch.log(uniform_noise(seeds, steps, V)))[0]
     for i, j, li in [(100, 200000, 3.0), (200000, 100, 3.0), (100, 200000, -3.0)]:
+        li, x = _exact_tie(torch.tensor(li, device=DEV), g[i], g[j])
         logits = torch.full((1, V), -50.0, device=DEV)
         logits[0, i] = li
-        target = logits[0, i] + g[i]
-        x = target - g[j]
-        for _ in range(64):
-            s = x + g[j]
-            if s == target:
-                break
-            x = torch.nextafter(x, torch.tensor(float("inf") if s < target else float("-inf"), device=DEV))
-        assert x + g[j] == target and x != logits[0, i]
         logits[0, j] = x
         params = (torch.ones(1, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV), torch.ones(1, device=DEV),
                   torch.zeros(1, device=DEV), seeds, steps)

@@ -381,7 +381,7 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         r = _rows(plan.ref_rows, B, dev)
         tok_r = _sample_ref(lf[r], temperature[r], top_k[r], top_p[r], min_p[r], seeds[r], steps[r], 0)[0]
         tokens[r] = tok_r
-        exact[r] = True
+        exact[r] = torch.ones_like(tok_r, dtype=torch.bool)  # `= True` copies a host scalar: a sync
     if logprobs_all is None:
         tok_lp = torch.zeros((B,), dtype=torch.float32, device=dev)
         top_lp = torch.empty((B, 0), dtype=torch.float32, device=dev)

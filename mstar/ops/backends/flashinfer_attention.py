@@ -80,6 +80,13 @@ def _prefill_wrapper(device, page: int) -> _Planned:
     return _state[key]
 
 
+def _planning():
+    # the wrappers are shared by every caller and keep device buffers that plan() rewrites
+    # (and sometimes reallocates): planning always in inference mode keeps them writable
+    # whether the first caller ran under inference_mode (the engine) or not (a test, a bench)
+    return torch.inference_mode()
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
 
@@ -122,14 +129,15 @@ class FlashInferDecodePlan(attention.StaticDecodePlan):
             self.last_page_len.copy_(last_page_len)
         hq, hkv, d, page = self.shape
         t0 = time.perf_counter_ns() if phase_clock.enabled else 0
-        self.wrapper.plan(self.indptr, indices, self.last_page_len, hq, hkv, d, page,
-                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        with _planning():
+            self.wrapper.plan(self.indptr, indices, self.last_page_len, hq, hkv, d, page,
+                              q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         if t0:
             phase_clock.plan_ns += time.perf_counter_ns() - t0
 
 
 # id(pinned indptr) -> its plan; weak, so an engine's plans go with it
-_graph_plans: "weakref.WeakValueDictionary[int, FlashInferDecodePlan]" = weakref.WeakValueDictionary()
+_graph_plans: weakref.WeakValueDictionary[int, FlashInferDecodePlan] = weakref.WeakValueDictionary()
 
 
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
@@ -147,8 +155,9 @@ def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
         t0 = time.perf_counter_ns() if phase_clock.enabled else 0
-        p.wrapper.plan(_host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len), hq, hkv, d, page,
-                       q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
+        with _planning():
+            p.wrapper.plan(_host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len), hq, hkv, d, page,
+                           q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
         p.mark(kv_indptr, shape_key)
         if t0:
             phase_clock.plan_ns += time.perf_counter_ns() - t0
@@ -167,9 +176,10 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
     if p.stale(kv_indptr, shape_key):
         t0 = time.perf_counter_ns() if phase_clock.enabled else 0
-        p.wrapper.plan(_host(qo_indptr), _host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len),
-                       hq, hkv, d, page, causal=True, sm_scale=scale, q_data_type=q.dtype,
-                       kv_data_type=k_cache.dtype)
+        with _planning():
+            p.wrapper.plan(_host(qo_indptr), _host(kv_indptr), _dev(kv_indices, q.device), _host(kv_last_page_len),
+                           hq, hkv, d, page, causal=True, sm_scale=scale, q_data_type=q.dtype,
+                           kv_data_type=k_cache.dtype)
         p.mark(kv_indptr, shape_key)
         if t0:
             phase_clock.plan_ns += time.perf_counter_ns() - t0
