@@ -97,6 +97,36 @@ KNOBS: tuple[Knob, ...] = (
          "boundary of each prefill chunk (one GDN prefill call per row); page = at every page boundary "
          "(prefix hits at any page, but the GDN prefill then runs one call per page: ~0.5 s per 2048-token "
          "step on the 0.8B preset).", choices=("chunk-end", "page")),
+    # --- decode step (the reference system's knobs, issue #7; each off until measured faster) ----
+    Knob("MSTAR_KV_PLAN_CACHE", "int", 0,
+         "Decode page-table arrays. 0: rebuilt from the block tables every step. 1: when a step's decode rows "
+         "are the previous step's rows, each one token longer, the previous arrays are advanced (positions and "
+         "last-page lengths + 1, a page appended where a row crossed a page boundary); anything else that "
+         "touches a stream (reset, remove, reload, offload, rollback, release, fork, copy-on-write, prefix-cache "
+         "reset) invalidates them. 2: wherever it can advance, build both, log every difference at WARNING and "
+         "use the rebuilt arrays. Graph and eager decode rows. FlashInfer's own plan still runs every step.",
+         choices=(0, 1, 2)),
+    Knob("MSTAR_KV_PINNED_INDPTRS", "bool", False,
+         "Eager steps (prefill, mixed) stage their index arrays in a preallocated page-locked ring and copy "
+         "them straight to the device, instead of pinning fresh host tensors per step (decode graphs always "
+         "stage through fixed pinned buffers)."),
+    Knob("MSTAR_INGRAPH_DECODE_TOKENS", "bool", False,
+         "Decode graphs read each row's input token inside the graph from a per-request master buffer on the "
+         "device (max_num_seqs slots, allocated once before capture, never grown or moved); the sampler (and "
+         "overlapped decode's launch, which then needs no loop-back copy) writes sampled tokens into it, so no "
+         "token ids are uploaded. Only for models that declare `reads_device_loopback` (Qwen3.5, Qwen3), with "
+         "decode graphs on and tp = 1; elsewhere a warning and no effect. A request beyond the capacity fails "
+         "with an error that names it."),
+    Knob("MSTAR_INGRAPH_DECODE_ROPE", "bool", False,
+         "With MSTAR_INGRAPH_DECODE_TOKENS: decode graphs compute each row's position (and so its rotary "
+         "angle) inside the graph from a per-request device counter, advanced inside the graph (the host "
+         "rewrites it only at admission and after eager steps), instead of uploading positions. Set without "
+         "MSTAR_INGRAPH_DECODE_TOKENS, the engine refuses to start."),
+    Knob("MSTAR_KV_CHAIN_LAZY_STEPS", "int", 1,
+         "Register the pages decode fills in the prefix cache on every N-th commit of the request instead of "
+         "at once (prompt pages and pages with GDN snapshots: at once); pending pages are registered before "
+         "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset.",
+         minimum=1),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

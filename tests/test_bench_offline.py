@@ -22,3 +22,38 @@ def test_offline_bench_records(tmp_path, extra):
         assert r["num_prompts"] == 6 and r["output_len"] == 5 and r["output_tok_s"] > 0
         assert r["decode_graphs"] == extra[1] and r["async_output"] == ("on" if "--async-output" in extra else "auto")
         assert r["startup_s"] >= 0 and r["commit"] and r["backends"]["sample"]
+
+
+def test_one_engine_caps_the_running_batch_per_point(tmp_path, monkeypatch):
+    """--one-engine: one build for every point, and each point runs at most c rows at once."""
+    builds, peak = [], {}
+    real_build, real_measure = offline._build, offline._measure
+
+    def build(args, m):
+        builds.append(m)
+        return real_build(args, m)
+
+    def measure(args, llm, c, t_start):
+        core, step = llm.engine, llm.engine.step
+        seen = []
+
+        def counted():
+            seen.append(len(core.scheduler.running))
+            return step()
+
+        monkeypatch.setattr(core, "step", counted)
+        try:
+            return real_measure(args, llm, c, t_start)
+        finally:
+            monkeypatch.setattr(core, "step", step)
+            peak[c] = max(seen)
+
+    monkeypatch.setattr(offline, "_build", build)
+    monkeypatch.setattr(offline, "_measure", measure)
+    out = tmp_path / "offline.jsonl"
+    offline.main(["--model", "tiny-qwen3.5", "--concurrency", "2", "5", "--num-prompts", "8", "--input-len", "12",
+                  "--output-len", "6", "--one-engine", "--out", str(out)])
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert builds == [5] and [r["concurrency"] for r in recs] == [2, 5]
+    assert all(r["one_engine"] for r in recs)
+    assert peak[2] == 2 and 2 < peak[5] <= 5, peak

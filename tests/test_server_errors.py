@@ -355,3 +355,27 @@ def test_transcriptions_on_an_llm_server(server):
                    files={"file": ("a.wav", b"RIFF....WAVE", "audio/wav")}, timeout=30)
     err = _check_error(r, 400, param="model", code="unsupported_endpoint")
     assert "not a speech-recognition model" in err["message"]
+
+
+def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
+    """A host without fastapi/uvicorn: the server says so and exits 1 at once, without
+    starting an engine process (which once kept the dying server alive while it loaded)."""
+    import sys
+
+    from mstar.runtime import engine_process, serve
+
+    monkeypatch.setitem(sys.modules, "mstar.runtime.api_server", None)  # its import now fails
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(engine_process, "EngineProcess", no_engine)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    t0 = time.monotonic()
+    try:
+        assert serve.main(["--model", "tiny-qwen3.5", "--port", "0"]) == 1
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert time.monotonic() - t0 < 5
+    assert "HTTP server cannot start" in caplog.text

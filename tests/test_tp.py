@@ -17,7 +17,7 @@ from engine_helpers import VOCAB, hf_greedy, model_dir, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.models import parallel
 from mstar.runtime.config import EngineConfig
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.request import CoreOutput, EngineRequest, SamplingParams
 
 G32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PS = prompts(5, 2, 40, seed=77)  # different lengths, some over a page
@@ -187,6 +187,8 @@ def test_engine_process_with_tp2():
             msg = ep._out_q.get(timeout=30)
             if msg[0] == "step":
                 for o in msg[1]:
+                    if isinstance(o, tuple):  # CoreOutputs may travel as tuples (engine_process)
+                        o = CoreOutput(*o)
                     toks.extend(o.new_token_ids)
         assert toks == hf_greedy("qwen3", PS[0], 8)
     finally:
@@ -194,6 +196,82 @@ def test_engine_process_with_tp2():
     assert not ep.is_alive() and ep.exitcode == 0
     for pid in kids:
         assert not _pid_alive(pid), f"follower {pid} outlived the engine"
+
+
+def test_tp2_startup_phases_logged_and_close_is_quick(caplog, monkeypatch):
+    """Rank 0 and the follower each log one start-up line naming every phase (tp.STARTUP_PHASES);
+    close() of a healthy engine returns at once: the followers exit as soon as they are told
+    (os._exit after their reports: no interpreter teardown, 0.7-1.5 s here before), the monitor
+    thread is woken (not left to its 0.2 s poll), and nothing waits on JOIN_TIMEOUT_S (set to
+    30 s here, so a close that waited on it fails the bound). Once dropped, the engine's model
+    and caches are freed at once (no reference cycle waiting for the garbage collector)."""
+    import logging
+    import re
+
+    from mstar.runtime import tp as tpmod
+    from mstar.runtime.llm import LLM
+    monkeypatch.setattr(tpmod, "JOIN_TIMEOUT_S", 30.0)
+    caplog.set_level(logging.INFO, logger="mstar.runtime.tp")
+    llm = LLM(model_dir("qwen3"), dtype="float32", device="cpu", max_model_len=128, tp=2)
+    tp = llm.engine.tp
+    procs = list(tp._procs)
+    try:
+        outs = llm.generate([PS[0], PS[1]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy("qwen3", p, 6) for p in PS[:2]]
+    finally:
+        t0 = time.perf_counter()
+        llm.close()
+        dt = time.perf_counter() - t0
+    assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
+    assert dt < 0.5, f"close() took {dt:.2f} s: {tp.close_timing}"
+    assert tp.close_timing["monitor"] < 0.1
+    lines = [r.getMessage() for r in caplog.records if r.name == "mstar.runtime.tp"]
+    num = r"(\d+(\.\d+)? (s|ms|us)|-)"
+    for rank in (0, 1):
+        found = [ln for ln in lines if ln.startswith(f"tp start-up rank {rank}: ")]
+        assert len(found) == 1, lines
+        assert "estimated" not in found[0]  # LLM said when the engine was ready
+        for phase in tpmod.STARTUP_PHASES:
+            assert re.search(rf"[:,] {phase} {num}", found[0]), (phase, found[0])
+        for phase in ("spawn", "init_process_group", "load", "caches", "first_forward", "total"):
+            assert not re.search(rf"[:,] {phase} -", found[0]), (phase, found[0])  # each happened
+        assert re.search(r"capture -", found[0])  # no decode graphs on the CPU
+    # per-step lines: the first step apart from the rest (median / max), counts
+    assert any(re.match(r"tp rank 1: \d+ steps \(\d+ eager, 0 graph replays\); forward .*first .*; then \d+: "
+                        r"median .*max .*\(step \d+\)", ln) for ln in lines), lines
+    close = [ln for ln in lines if ln.startswith("tp close: ")]
+    assert len(close) == 1 and "killed" not in close[0] and "rank 1: got it +" in close[0], close
+    # no reference cycle keeps the closed engine's model and caches (on CUDA: the GPU) allocated
+    import gc
+    import weakref
+    w_model, w_caches = weakref.ref(llm.engine.model), weakref.ref(llm.engine.cm.caches)
+    gc.disable()
+    try:
+        del llm, tp
+        assert w_model() is None and w_caches() is None
+    finally:
+        gc.enable()
+
+
+def test_step_stat_separates_the_first_step():
+    """One huge step (a first step compiling kernels) no longer hides in a per-step mean."""
+    from mstar.runtime.tp import StepStat
+    s = StepStat()
+    s.add(40.0)
+    for i in range(2000):
+        s.add(0.005 * (1 + 0.02 * (i % 5)))
+    s.add(2.0)
+    assert s.n == 2002 and s.first == 40.0
+    assert s.median() == pytest.approx(0.0052, rel=0.05)
+    assert (s.max, s.max_at) == (2.0, 2002)
+    k, tot = s.outliers()
+    assert k == 1 and tot == pytest.approx(2.0)
+    text = s.summary()
+    assert text.startswith("first 40.00 s; then 2001: median 5.") and "max 2.00 s (step 2002)" in text
+    assert "1 over 10x the median (2.00 s in all)" in text
+    assert s.total / s.n > 4 * s.median()  # what the old per-step mean would have reported
+    empty = StepStat()
+    assert empty.summary() == "none" and empty.median() is None
 
 
 def _children(pid: int) -> list[int]:

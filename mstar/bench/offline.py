@@ -22,53 +22,82 @@ from mstar import LLM, SamplingParams
 from mstar.bench.serve import git_commit
 
 
+def _build(args, max_num_seqs: int) -> LLM:
+    return LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
+               max_num_seqs=max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
+               enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs,
+               compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens,
+               async_output=args.async_output)
+
+
+def _cap(llm: LLM, c: int) -> None:
+    """One engine for every point (--one-engine): cap its running batch at c, with the admission
+    batch the engine would pick for max_num_seqs = c."""
+    core = llm.engine
+    core.scheduler.max_num_seqs = c
+    core.scheduler.admit_min_free = c // 4 if core.graphs is not None else 0
+
+
+def _append(path: str, rec: dict) -> None:
+    # one record per point as soon as it is measured: a run killed later keeps what it measured
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def run(args) -> list[dict]:
     records = []
-    for c in args.concurrency:
-        t_start = time.perf_counter()
-        llm = LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
-                  max_num_seqs=c, max_model_len=args.input_len + args.output_len + 16,
-                  enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs,
-                  compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens,
-                  async_output=args.async_output)
-        vocab = llm.engine.model.config.vocab_size
-        n = args.num_prompts or max(4 * c, 64)
-        g = torch.Generator().manual_seed(args.seed)
-        prompts = torch.randint(0, min(vocab, 100_000), (n, args.input_len), generator=g).tolist()
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[: min(n, c)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = t_run = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        out_tokens = sum(len(o.token_ids) for o in outs)
-        assert all(len(o.token_ids) == args.output_len for o in outs), "fixed-length outputs expected"
-        rec = {"bench": "offline", "model": args.model, "tp": args.tp, "concurrency": c, "num_prompts": n,
-               "input_len": args.input_len, "output_len": args.output_len,
-               "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
-               "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output,
-               "graph_capture_s": _capture_s(llm),
-               "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
-        print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  "
-              f"({dt:.1f} s; start-up {t_run - t_start:.1f} s)", flush=True)
-        records.append(rec)
-        llm.close()  # tp > 1: stop the followers before the next engine
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    shared = _build(args, max(args.concurrency)) if args.one_engine else None
+    try:
+        for c in args.concurrency:
+            t_start = time.perf_counter()
+            llm = shared or _build(args, c)
+            if shared is not None:
+                _cap(llm, c)
+            rec = _measure(args, llm, c, t_start)
+            records.append(rec)
+            if args.out:
+                _append(args.out, rec)
+            if shared is None:
+                llm.close()  # tp > 1: stop the followers before the next engine
+                del llm
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    finally:
+        if shared is not None:
+            shared.close()
     return records
+
+
+def _measure(args, llm: LLM, c: int, t_start: float) -> dict:
+    vocab = llm.engine.model.config.vocab_size
+    n = args.num_prompts or max(4 * c, 64)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, min(vocab, 100_000), (n, args.input_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[: min(n, c)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = t_run = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    assert all(len(o.token_ids) == args.output_len for o in outs), "fixed-length outputs expected"
+    rec = {"bench": "offline", "model": args.model, "tp": args.tp, "concurrency": c, "num_prompts": n,
+           "input_len": args.input_len, "output_len": args.output_len,
+           "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
+           "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output,
+           "one_engine": args.one_engine, "graph_capture_s": _capture_s(llm),
+           "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
+    print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  "
+          f"({dt:.1f} s; start-up {t_run - t_start:.1f} s)", flush=True)
+    return rec
 
 
 def _capture_s(llm) -> float | None:
@@ -98,6 +127,9 @@ def main(argv=None):
                          "where decode graphs are captured)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="token budget of a step (default: 8192 on CUDA, 2048 on CPU)")
+    ap.add_argument("--one-engine", action="store_true",
+                    help="build one engine (max_num_seqs = the largest concurrency) and cap its running batch per "
+                         "point, instead of a fresh engine per point (saves the start-up of large / tp models)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--out", default="notes/results/offline.jsonl", help="JSONL file to append records to ('' = none)")
     # timestamped engine log lines (load, graph capture, compiles) show where start-up time goes

@@ -90,6 +90,11 @@ class DecoderLM(nn.Module):
                         "model.multi_modal_projector.", "multi_modal_projector.")
     _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
     zero_centered_norm = False
+    # The model's decode graphs may read their input tokens (and positions) from device
+    # buffers the runtime's sampler writes (MSTAR_INGRAPH_DECODE_TOKENS, runtime/decode_masters.py):
+    # True only where the forward reads nothing of ctx.input_ids / ctx.positions on the host.
+    # False: the sampler writes nothing per step for it and the knob has no effect.
+    reads_device_loopback = False
 
     def __init__(self, config):
         super().__init__()

@@ -107,7 +107,12 @@ def build_model(config, *, dtype: torch.dtype = torch.float32, device: str | tor
         model = cls(config)
     model = model.to(dtype)
     if torch.device(device).type != "meta":
-        model.materialize(device)
+        # storage for the meta tensors with torch.empty: Module.to_empty's empty_like on meta
+        # tensors goes through torch's Python refs, whose first use imports sympy (0.3 s idle, over
+        # 1 s on a busy host, in every process: each tensor-parallel rank paid it)
+        model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                     if t.is_meta else t)
+        model.materialize(device)  # (no meta tensor left: builds the rope table)
     model.requires_grad_(False)
     model.eval()
     return model
@@ -162,8 +167,10 @@ def iter_checkpoint(path: str, device: str | torch.device = "cpu", progress: boo
 
 # --- entry points ---------------------------------------------------------------------------------
 def load_model(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               random_weights: bool = False, seed: int = 0, progress: bool = True) -> DecoderLM:
+               random_weights: bool = False, seed: int = 0, progress: bool = True, config=None) -> DecoderLM:
     """Build a model from a checkpoint directory or a preset.
+
+    config: the resolved config of name_or_dir (resolve_config's result), if the caller has it.
 
     random_weights: skip the checkpoint and draw random weights on `device` in `dtype`
     (full size for the real presets). Tiny embedded presets always have random weights,
@@ -171,7 +178,7 @@ def load_model(name_or_dir: str, *, dtype: torch.dtype = torch.float32, device: 
     """
     is_dir = os.path.isdir(name_or_dir)
     preset = None if is_dir else presets.get(name_or_dir)
-    config = resolve_config(name_or_dir)
+    config = resolve_config(name_or_dir) if config is None else config
     device = torch.device(device)
     tp = parallel.tp_size()
     if tp > 1:

@@ -13,6 +13,7 @@ from mstar.models.layers import GatedMLP, QKNormAttention, rope_settings
 
 class Qwen3ForCausalLM(DecoderLM):
     zero_centered_norm = False
+    reads_device_loopback = True  # decode graphs may gather input ids / positions on the device
 
     def __init__(self, config):
         super().__init__(config)

@@ -140,6 +140,7 @@ class GatedDeltaNet(nn.Module):
 
 class Qwen3_5ForCausalLM(DecoderLM):
     zero_centered_norm = True
+    reads_device_loopback = True  # decode graphs may gather input ids / positions on the device
 
     def __init__(self, config):
         super().__init__(config)

@@ -19,7 +19,7 @@ from mstar.runtime.api_checks import (
     prompt_ids_for,
 )
 from mstar.runtime.api_jobs import ChoiceState, collect_job, start_job, usage
-from mstar.runtime.api_sse import sse_event, stream_job
+from mstar.runtime.api_sse import ChunkEvents, sse_event, stream_job
 
 if TYPE_CHECKING:
     from mstar.runtime.api_engine import Server
@@ -90,6 +90,8 @@ async def chat_completions(server: Server, request: Request, body: dict) -> Resp
                 if use_usage:
                     chunk["usage"] = None
                 yield sse_event(chunk)
+            enc = ChunkEvents(base)
+            continuous = req.stream_options.continuous_usage_stats
             async for i, delta, new_ids, new_lp, fin in job.merged(states):
                 st = states[i]
                 if not (delta or new_ids or fin):
@@ -98,11 +100,10 @@ async def chat_completions(server: Server, request: Request, body: dict) -> Resp
                      "logprobs": {"content": lp_content(new_ids, new_lp)} if req.logprobs else None,
                      "finish_reason": st.finish_reason}
                 c = choice_extra(c, st, new_ids)
-                chunk = dict(base, choices=[c])
                 if use_usage:
-                    chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
-                        else None
-                yield sse_event(chunk)
+                    yield enc.event(c, usage(states, req.n) if continuous else None)
+                else:
+                    yield enc.event(c)
             if use_usage:
                 yield sse_event(dict(base, choices=[], usage=usage(states, req.n)))
 

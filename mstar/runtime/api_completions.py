@@ -18,7 +18,7 @@ from mstar.runtime.api_checks import (
     prompt_ids_for,
 )
 from mstar.runtime.api_jobs import ChoiceState, collect_job, start_job, usage
-from mstar.runtime.api_sse import sse_event, stream_job
+from mstar.runtime.api_sse import ChunkEvents, sse_event, stream_job
 
 if TYPE_CHECKING:
     from mstar.runtime.api_engine import Server
@@ -81,6 +81,9 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
         offsets = [0] * n_choices
 
         async def events():
+            enc = ChunkEvents({"id": rid, "object": "text_completion", "created": created, "model": model})
+            use_usage = req.stream_options.include_usage
+            continuous = req.stream_options.continuous_usage_stats
             async for i, delta, new_ids, new_lp, fin in job.merged(states):
                 st = states[i]
                 if not (delta or new_ids or fin):
@@ -93,12 +96,10 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
                 offsets[i] += len(delta)
                 c = choice_extra(c, st, i, new_ids)
                 st.started = True
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [c]}
-                if req.stream_options.include_usage:
-                    chunk["usage"] = usage(states, req.n) if req.stream_options.continuous_usage_stats \
-                        else None
-                yield sse_event(chunk)
+                if use_usage:
+                    yield enc.event(c, usage(states, req.n) if continuous else None)
+                else:
+                    yield enc.event(c)
             if req.stream_options.include_usage:
                 yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage(states, req.n)})

@@ -26,13 +26,51 @@ if TYPE_CHECKING:
     from mstar.runtime.api_engine import Seq, Server
 
 
+class Mailbox:
+    """A job's updates in arrival order: put_nowait from the event loop's engine-message handler,
+    drained whole by the job's one consumer (lighter than an asyncio.Queue, whose get() costs a
+    future and a getter-queue round trip per item; one wake-up here takes every item queued)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    async def take_all(self) -> list:
+        """Every item queued (at least one; waits for it)."""
+        while not self._items:
+            w = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                if self._waiter is w:
+                    self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 class Job:
-    """The sequences of one HTTP request; their updates arrive on one queue in order."""
+    """The sequences of one HTTP request; their updates arrive on one mailbox in order."""
 
     def __init__(self, server: Server, endpoint: str, n_seqs: int):
         self.server = server
         self.endpoint = endpoint
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = Mailbox()
         self.seqs: list[Seq] = []
         self.remaining = n_seqs
         self.n_admitted = n_seqs
@@ -42,21 +80,28 @@ class Job:
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) until every sequence finished; raises APIError on failure."""
         while self.remaining > 0:
-            idx, item = await self.queue.get()
-            if isinstance(item, APIError):
-                raise item
-            if item.finished:
-                self.remaining -= 1
-            yield idx, item
+            for idx, item in await self.queue.take_all():
+                if isinstance(item, APIError):
+                    raise item
+                if item.finished:
+                    self.remaining -= 1
+                yield idx, item
 
     async def merged(self, states: list) -> AsyncIterator[tuple[int, str, list, list, bool]]:
         """For streaming: (index, text delta, new token ids, new logprobs, finished) per choice,
         folding together every update already queued (a client or an event loop that falls
         behind gets fewer, larger chunks instead of a growing backlog)."""
         while self.remaining > 0:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
+            items = await self.queue.take_all()
+            if len(items) == 1:  # the common case: one update (one step) of one choice
+                idx, item = items[0]
+                if isinstance(item, APIError):
+                    raise item
+                if item.finished:
+                    self.remaining -= 1
+                d, ids, lps = states[idx].update(item)
+                yield idx, d, ids, lps, item.finished
+                continue
             acc: dict[int, list] = {}
             for idx, item in items:
                 if isinstance(item, APIError):
@@ -206,6 +251,10 @@ class ChoiceState:
         new_lp = []
         if u.logprobs is not None:  # cumulative: every token's so far
             new_lp = list(u.logprobs[self.lp_seen:])
+            self.lp_seen += len(new_lp)
+            self.logprobs.extend(new_lp)
+        elif getattr(u, "new_logprobs", None) is not None:  # deltas only (OutputProcessor(cumulative=False))
+            new_lp = list(u.new_logprobs)
             self.lp_seen += len(new_lp)
             self.logprobs.extend(new_lp)
         self.num_prompt = u.num_prompt_tokens or self.num_prompt

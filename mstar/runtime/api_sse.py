@@ -18,30 +18,92 @@ logger = logging.getLogger("mstar.server")
 
 SSE_DONE = "data: [DONE]\n\n"
 
+# json.dumps(obj, ensure_ascii=False, separators=...) builds a new encoder per call; one
+# encoder built once gives the same text
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_NO_USAGE = object()
+
 
 def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_ENCODE(obj)}\n\n"
+
+
+class ChunkEvents:
+    """The SSE events of one streamed response whose chunks are `base` (id, object, created,
+    model) plus "choices" (and "usage"): the constant head is encoded once, each chunk encodes
+    only its choice. The text is what sse_event(dict(base, choices=[choice], usage=...)) gives."""
+
+    __slots__ = ("head",)
+
+    def __init__(self, base: dict):
+        self.head = "data: " + _ENCODE(base)[:-1] + ',"choices":['
+
+    def event(self, choice: dict, usage: Any = _NO_USAGE) -> str:
+        if usage is _NO_USAGE:
+            return f"{self.head}{_ENCODE(choice)}]}}\n\n"
+        if usage is None:
+            return f"{self.head}{_ENCODE(choice)}],\"usage\":null}}\n\n"
+        return f"{self.head}{_ENCODE(choice)}],\"usage\":{_ENCODE(usage)}}}\n\n"
+
+
+# The ASGI `send` of the server itself, put in the scope by the app (api_server.build_app): a
+# stream's body chunks skip the middleware wrappers around `send` (starlette's error and
+# exception layers, which only watch for the response start; the start and the end still go
+# through them). Without the key every message takes the ordinary `send`.
+RAW_SEND = "mstar.raw_send"
+
+
+def _body(ev: str | bytes) -> dict:
+    return {"type": "http.response.body", "body": ev if isinstance(ev, bytes) else ev.encode("utf-8"),
+            "more_body": True}
 
 
 class SSEResponse(StreamingResponse):
     """Server-sent events from an async iterator of strings.
+
+    With a `job` (stream_job) the stream always ends with [DONE], an APIError from the
+    iterator becomes an error event, and the job is closed with its outcome (success, error,
+    bad_request, aborted) as soon as the iterator ends.
 
     A client that goes away cancels the iterator at its current await (its `finally`
     aborts the request in the engine), whatever the ASGI server's spec version."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close=None):
+    def __init__(self, events: AsyncIterator[str], on_close=None, job: Job | None = None):
         super().__init__(events, status_code=200, headers={"Cache-Control": "no-cache",
                                                            "X-Accel-Buffering": "no"})
         self.events = events
         self.on_close = on_close
+        self.job = job
 
     async def __call__(self, scope, receive, send) -> None:
+        body_send = scope.get(RAW_SEND) or send
+        job = self.job
+
         async def pump():
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for ev in self.events:
-                await send({"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True})
+            if job is None:
+                async for ev in self.events:
+                    await body_send(_body(ev))
+            else:
+                outcome = "error"
+                try:
+                    try:
+                        async for ev in self.events:
+                            await body_send(_body(ev))
+                        outcome = "success"
+                        tail = SSE_DONE
+                    except APIError as e:
+                        outcome = "error" if e.status >= 500 else "bad_request"
+                        tail = sse_event(e.body()) + SSE_DONE
+                    job.close(outcome)
+                    await body_send(_body(tail))
+                except asyncio.CancelledError:
+                    outcome = "aborted"
+                    raise
+                finally:
+                    job.close(outcome)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def listen():
@@ -72,21 +134,4 @@ class SSEResponse(StreamingResponse):
 def stream_job(job: Job, chunks: AsyncIterator[str]) -> SSEResponse:
     """SSE response over `chunks` (an async iterator of events): always ends with [DONE],
     an engine error becomes an error event, and the job is closed with its outcome."""
-    async def events():
-        outcome = "error"
-        try:
-            async for ev in chunks:
-                yield ev
-            outcome = "success"
-            yield SSE_DONE
-        except APIError as e:
-            outcome = "error" if e.status >= 500 else "bad_request"
-            yield sse_event(e.body())
-            yield SSE_DONE
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "aborted"
-            raise
-        finally:
-            job.close(outcome)
-
-    return SSEResponse(events(), on_close=lambda: job.close("aborted"))
+    return SSEResponse(chunks, on_close=lambda: job.close("aborted"), job=job)

@@ -33,6 +33,21 @@ models with state unless the caller says it has restored the state itself
 
 All bookkeeping is O(pages) Python per call; tensor work is one gather / scatter / copy
 per layer.
+
+Stream generation (`stream_generation()`): a process-wide counter bumped by every operation
+that changes a request's KV stream other than the per-token decode growth (commit, and
+ensure_capacity appending pages): admit (a stream reset), free (remove / release), fork,
+rollback, offload, reload, reset_prefix_cache, and a copy-on-write in ensure_capacity. Who
+keeps data derived from the page lists across steps (MSTAR_KV_PLAN_CACHE,
+decode_plan_cache.py) compares it: unchanged means every running request's page list only
+grew at its end since it was read.
+
+MSTAR_KV_CHAIN_LAZY_STEPS = N > 1: pages filled by decode (beyond the pages fully inside the
+prompt the request was admitted with) are registered in the prefix cache only on every N-th
+commit of the request; the length is always updated at once. Pending registrations are done
+before anything reads or releases the request's chain: free, offload, fork (of the source),
+rollback, snapshot_slots, reset_prefix_cache, and `commit_pending()`. A commit that registers
+prompt pages or hands over snapshot slots registers at once (no snapshot is held longer).
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar import knobs
 from mstar.models.context import CacheSpec, ModelCaches
 from mstar.runtime.kv_pages import PagePool
 from mstar.runtime.offload import HostCopy, to_device, to_host
@@ -51,6 +67,20 @@ from mstar.runtime.state_slots import SlotPool
 
 class StateRollbackError(NotImplementedError):
     """Rollback asked of a model with recurrent state and no restored checkpoint."""
+
+
+_generation = 0
+
+
+def stream_generation() -> int:
+    """The process-wide stream generation (module docstring): changes whenever any request's
+    page list may have changed other than by growing at its end."""
+    return _generation
+
+
+def _bump_generation() -> None:
+    global _generation
+    _generation += 1
 
 
 @dataclass
@@ -91,6 +121,10 @@ class _Request:
     host: HostCopy | None = None  # set while offloaded
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at admit
     cross: int | None = None  # encoder-decoder models: the cross-attention K/V slot
+    # MSTAR_KV_CHAIN_LAZY_STEPS > 1
+    prompt_pages: int = 0  # pages fully inside the prompt it was admitted with: registered at once
+    num_commits: int = 0
+    pending: Sequence[int] | None = None  # token ids of a deferred registration (up to length)
 
 
 class CacheManager:
@@ -150,6 +184,8 @@ class CacheManager:
         self._snap_slots = SlotPool(num_slots, num_snapshot_slots)
         self._prefix = PrefixCache(num_pages)
         self._reqs: dict[str, _Request] = {}
+        # MSTAR_KV_CHAIN_LAZY_STEPS (module docstring); 1: every commit registers its full pages
+        self.chain_lazy_steps = int(knobs.value("MSTAR_KV_CHAIN_LAZY_STEPS"))
 
     # ======================================================================================
     # page / slot plumbing
@@ -266,7 +302,7 @@ class CacheManager:
             return None
         if self.has_cross and self._cross.num_free == 0:
             return None
-        r = _Request(root=root_key(cache_salt))
+        r = _Request(root=root_key(cache_salt), prompt_pages=n // self.page_size)
         hit: list[int] = []  # pages
         if self._uses_prefix():
             ps = self.page_size
@@ -302,6 +338,7 @@ class CacheManager:
         if self._uses_prefix():
             self._prefix.record_query(n, r.cached_tokens)
         self._reqs[req_id] = r
+        _bump_generation()  # a stream (re)starts
         return r.cached_tokens
 
     def ensure_capacity(self, req_id: str, total_len: int) -> bool:
@@ -320,6 +357,7 @@ class CacheManager:
         if new + len(cow) > self._available_pages():
             return False
         if cow:
+            _bump_generation()  # pages of the request are replaced, not appended
             old = [r.pages[i] for i in cow]
             fresh = [self._take_page() for _ in cow]
             self._copy_pages(old, fresh)
@@ -339,6 +377,8 @@ class CacheManager:
         r = self._active(req_id)
         if not self.has_state or not self._uses_prefix() or self.num_snapshot_slots == 0:
             return []
+        if r.pending is not None:
+            self._register_pending(r)
         ps = self.page_size
         out: list[tuple[int, int]] = []
         first = (start // ps + 1) * ps - 1
@@ -373,24 +413,59 @@ class CacheManager:
         r.length = num_computed
         ps = self.page_size
         full = num_computed // ps
-        if self._uses_prefix() and full > r.num_registered:
-            extend_keys(r.keys, r.root, token_ids, full, ps)
-            for i in range(r.num_registered, full):
-                key, page = r.keys[i], r.pages[i]
-                snap = r.snaps.pop((i + 1) * ps - 1, None)
-                cached = self._prefix.get(key)
-                if cached is None:
-                    if not self._prefix.is_cached(page):  # (a page is cached under one key only)
-                        self._prefix.insert(key, page, snap, idle=False)
-                        snap = None
-                elif snap is not None and self._prefix.snapshot_of(cached) is None:
-                    self._prefix.attach_snapshot(cached, snap)
-                    snap = None
-                if snap is not None:
-                    self._snap_slots.release(snap)
-            r.num_registered = full
+        if self.chain_lazy_steps > 1:
+            self._commit_lazy(r, token_ids, full)
+        elif self._uses_prefix() and full > r.num_registered:
+            self._register(r, token_ids, full)
         if r.snaps:
             self._release_snaps(r, below=num_computed)
+
+    def _register(self, r: _Request, token_ids: Sequence[int], full: int) -> None:
+        """Offer the request's pages [num_registered, full) to the prefix cache."""
+        ps = self.page_size
+        extend_keys(r.keys, r.root, token_ids, full, ps)
+        for i in range(r.num_registered, full):
+            key, page = r.keys[i], r.pages[i]
+            snap = r.snaps.pop((i + 1) * ps - 1, None)
+            cached = self._prefix.get(key)
+            if cached is None:
+                if not self._prefix.is_cached(page):  # (a page is cached under one key only)
+                    self._prefix.insert(key, page, snap, idle=False)
+                    snap = None
+            elif snap is not None and self._prefix.snapshot_of(cached) is None:
+                self._prefix.attach_snapshot(cached, snap)
+                snap = None
+            if snap is not None:
+                self._snap_slots.release(snap)
+        r.num_registered = full
+
+    def _commit_lazy(self, r: _Request, token_ids: Sequence[int], full: int) -> None:
+        """MSTAR_KV_CHAIN_LAZY_STEPS > 1: register on every N-th commit of the request, or at
+        once for prompt pages and for pages with snapshot slots to hand over."""
+        r.num_commits += 1
+        if not self._uses_prefix() or full <= r.num_registered:
+            return
+        if (r.num_commits % self.chain_lazy_steps == 0 or r.num_registered < r.prompt_pages
+                or (r.snaps and min(r.snaps) < r.length)):
+            r.pending = None
+            self._register(r, token_ids, full)
+        else:
+            r.pending = token_ids  # the tokens below length never change (rollback registers first)
+
+    def _register_pending(self, r: _Request) -> None:
+        toks, r.pending = r.pending, None
+        if toks is not None and r.host is None:
+            full = r.length // self.page_size
+            if full > r.num_registered:
+                self._register(r, toks, full)
+
+    def commit_pending(self, req_id: str | None = None) -> None:
+        """Do the prefix-cache registrations MSTAR_KV_CHAIN_LAZY_STEPS deferred: of one request,
+        or (None) of every request. A no-op with the knob at 1."""
+        reqs = self._reqs.values() if req_id is None else [self._get(req_id)]
+        for r in reqs:
+            if r.pending is not None:
+                self._register_pending(r)
 
     def length(self, req_id: str) -> int:
         return self._get(req_id).length
@@ -423,6 +498,9 @@ class CacheManager:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return
+        _bump_generation()
+        if r.pending is not None:
+            self._register_pending(r)
         self._release_pages(r.pages)
         r.pages = []
         if r.slot is not None:
@@ -442,6 +520,8 @@ class CacheManager:
         src = self._active(src_id)
         if self.has_cross and self._cross.num_free == 0:
             return False
+        if src.pending is not None:
+            self._register_pending(src)
         slot = None
         if self.has_state:
             slot = self._slots.allocate()
@@ -459,7 +539,9 @@ class CacheManager:
         full = src.length // self.page_size
         self._reqs[dst_id] = _Request(root=src.root, pages=list(pages), length=src.length, slot=slot,
                                       keys=src.keys[:full], num_registered=src.num_registered,
-                                      cached_tokens=src.cached_tokens, cross=cross)
+                                      cached_tokens=src.cached_tokens, cross=cross,
+                                      prompt_pages=src.prompt_pages)
+        _bump_generation()
         return True
 
     def rollback(self, req_id: str, k: int, *, state_restored: bool = False) -> None:
@@ -476,6 +558,9 @@ class CacheManager:
             raise StateRollbackError(
                 "recurrent state cannot be rolled back without a checkpoint; restore the slot's "
                 "state and pass state_restored=True")
+        _bump_generation()
+        if r.pending is not None:
+            self._register_pending(r)
         new_len = r.length - k
         keep = self._pages_for(new_len)
         dropped = r.pages[keep:]
@@ -492,6 +577,9 @@ class CacheManager:
         """Copy the request's KV pages and state to (pinned, with CUDA) host memory and
         release its device pages, slot and snapshot reservations."""
         r = self._active(req_id)
+        _bump_generation()
+        if r.pending is not None:
+            self._register_pending(r)
         used = r.pages[:self._pages_for(r.length)]
         r.host = self._to_host(used, r.slot)
         self._release_pages(r.pages)
@@ -548,6 +636,7 @@ class CacheManager:
                     self._prefix.insert(r.keys[i], pages[i], None, idle=False)
         r.pages = pages
         r.host = None
+        _bump_generation()
         return True
 
     @property
@@ -592,6 +681,8 @@ class CacheManager:
         snapshot slot attached to the cache is freed, and pages still used by requests stop
         being cached (they are freed normally when their requests end). Hit statistics
         are kept."""
+        self.commit_pending()  # (MSTAR_KV_CHAIN_LAZY_STEPS) as if registered when committed
+        _bump_generation()
         idle_pages, snaps = self._prefix.clear()
         for p in idle_pages:
             self._pool.put(p)

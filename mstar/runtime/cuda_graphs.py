@@ -20,6 +20,12 @@ touch a request's KV or state; their outputs are dropped.
 Mode "static" runs the very same buffers and padding eagerly, without capturing: how the
 CPU tests check this path's inputs against the normal eager step, token for token.
 Prefill and mixed steps run eagerly (build a ForwardContext per step).
+
+In-graph inputs (MSTAR_INGRAPH_DECODE_TOKENS, decode_masters.py): the staged row of token ids
+carries each row's master slot instead (padding rows: the masters' padding slot), and the
+first op of the captured forward gathers the input ids from the device master buffer the
+sampler writes; with MSTAR_INGRAPH_DECODE_ROPE the positions are gathered from (and advanced
+in) the per-slot position master the same way, and the host does not stage them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 from mstar import ops
 from mstar.models.context import AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata
+from mstar.runtime.decode_plan_cache import DecodeArrayCache
 from mstar.runtime.step_inputs import StepRows, decode_arrays
 
 log = logging.getLogger("mstar.runtime")
@@ -49,10 +56,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(self, model, forward, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
                  max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool,
-                 pad_cross: int | None = None, cross_source_len: int = 0):
+                 pad_cross: int | None = None, cross_source_len: int = 0, masters=None):
         """num_pages: the KV pool's size; max_model_len bounds one row's pages.
         Encoder-decoder models (cross_source_len > 0): each row also attends over its cross
-        slot, a second decode plan per batch size (one page of cross_source_len per row)."""
+        slot, a second decode plan per batch size (one page of cross_source_len per row).
+        masters: the DecodeMasters the graphs read their inputs from (None: staged from the host)."""
         self.model = model
         self.forward = forward  # model.forward, or its compiled version
         self.device = torch.device(device)
@@ -65,6 +73,7 @@ class DecodeGraphRunner:
         self.max_batch = self.sizes[-1]
         self.has_attention = bool(model.attention_layers)
         self.has_state = bool(model.state_layers)
+        self._plan_cache = DecodeArrayCache.from_knobs(page_size, self.has_attention)  # MSTAR_KV_PLAN_CACHE
         pin = self.device.type == "cuda"
         B = self.max_batch
         per_seq = -(-max_model_len // page_size)
@@ -74,6 +83,16 @@ class DecodeGraphRunner:
         self._host = torch.zeros((4, B), dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros((4, B), dtype=torch.int64, device=self.device)
+        # a padding row's column of the staged buffer (token 0, or the masters' padding slot)
+        self._pad_col = np.array([[0 if masters is None else masters.pad], [0], [self.pad_page * page_size],
+                                  [self.pad_slot]], dtype=np.int64)
+        # in-graph inputs: fixed buffers the captured forward gathers the ids (and positions) into
+        self.masters = masters
+        self._rope = masters is not None and masters.positions is not None
+        self._ids = torch.zeros(B, dtype=torch.int64, device=self.device) if masters is not None else None
+        self._pos = torch.zeros(B, dtype=torch.int64, device=self.device) if self._rope else None
+        self._pos_next = torch.zeros(B, dtype=torch.int64, device=self.device) if self._rope else None
+        self._read_args: dict[int, tuple] = {}
         self._idx_host = torch.zeros(max_pages, dtype=torch.int32, pin_memory=pin)
         self._idx_dev = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         self._ptr_host = torch.zeros(B + 1, dtype=torch.int32)
@@ -118,7 +137,14 @@ class DecodeGraphRunner:
                 self.cross_plans[b] = xp
                 cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
                                                kv_last_page_len=xp.last_page_len)
-            self.contexts[b] = ForwardContext(input_ids=self._dev[0, :b], positions=self._dev[1, :b],
+            ids, pos = self._dev[0, :b], self._dev[1, :b]
+            if masters is not None:
+                ids = self._ids[:b]
+                if self._rope:
+                    pos = self._pos[:b]
+                self._read_args[b] = (self._dev[0, :b], ids, pos if self._rope else None,
+                                      self._pos_next[:b] if self._rope else None)
+            self.contexts[b] = ForwardContext(input_ids=ids, positions=pos,
                                               num_decode_tokens=b, attn=md, state=st, cross=cross)
         self.capture_s = 0.0
         self.graph_memory_bytes = 0
@@ -140,15 +166,14 @@ class DecodeGraphRunner:
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self._stage_padding(b)
-            ctx = self.contexts[b]
             # first use compiles / autotunes kernels: never inside a capture
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.forward(ctx)
+                self._forward_at(b)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
-                self.outputs[b] = self.forward(ctx)
+                self.outputs[b] = self._forward_at(b)
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
@@ -167,30 +192,49 @@ class DecodeGraphRunner:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
 
-    def run(self, rows: StepRows, loopback: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, rows: StepRows, loopback: torch.Tensor | None = None,
+            slots: list[int] | None = None) -> torch.Tensor:
         """Hidden states [D, hidden] of a decode-only step (D = len(rows.decode_tokens)).
         loopback: the previous step's sampled tokens on the device, row for row the input
-        ids of this step (decode_overlap.py), instead of rows.decode_tokens."""
+        ids of this step (decode_overlap.py), instead of rows.decode_tokens.
+        slots: with masters (in-graph inputs), each row's master slot; required then, and
+        rows.decode_tokens (and positions with ROPE) are not staged."""
         d = len(rows.decode_tokens)
         b = self.bucket(d)
-        self._fill(b, d, rows)
+        if self.masters is not None and slots is None and d:
+            raise ValueError("decode graphs read their inputs from the decode masters: run() needs the rows' slots")
+        self._fill(b, d, rows, slots)
         if loopback is not None:
             self._dev[0, :d].copy_(loopback[:d])
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:d]
-        return self.forward(self.contexts[b])[:d]
+        return self._forward_at(b)[:d]
 
-    def _fill(self, b: int, d: int, rows: StepRows) -> None:
+    def row_slots(self, d: int) -> torch.Tensor:
+        """With masters: the device master slots of the last staged step's first d rows
+        (valid until the next step is staged; stream-ordered)."""
+        return self._dev[0, :d]
+
+    def _forward_at(self, b: int) -> torch.Tensor:
+        """What a graph of batch size b captures: with masters, the gathers of the inputs
+        (and the position advance) first, then the forward."""
+        if self.masters is not None:
+            self.masters.read_inputs(*self._read_args[b])
+        return self.forward(self.contexts[b])
+
+    def _fill(self, b: int, d: int, rows: StepRows, slots: list[int] | None = None) -> None:
         if self._staged_pending:
             self._staged.synchronize()
         ps = self.page_size
         h = self._host_np
-        h[:, d:b] = ((0,), (0,), (self.pad_page * ps,), (self.pad_slot,))
+        h[:, d:b] = self._pad_col
         if d:
-            pos, indptr, indices, last, slot = decode_arrays(rows, ps, self.has_attention)
-            h[0, :d] = rows.decode_tokens
-            h[1, :d] = pos
+            pos, indptr, indices, last, slot = decode_arrays(rows, ps, self.has_attention) \
+                if self._plan_cache is None else self._plan_cache.arrays(rows)
+            h[0, :d] = rows.decode_tokens if slots is None else slots
+            if not self._rope:
+                h[1, :d] = pos
             if self.has_attention:
                 h[2, :d] = slot
             if self.has_state:

@@ -10,7 +10,10 @@ Life of a decode step in this mode:
            exactly "the same rows, one token further": nothing waits to be admitted (or
            admissions are held), every running row is in the batch, no row finishes by
            length, and the page pool has a page for every row. Its input ids are the
-           previous step's tokens, gathered on the device;
+           previous step's tokens, copied on the device into the graph's token row
+           ("loop-back"); with MSTAR_INGRAPH_DECODE_TOKENS the launch scatters the tokens into
+           the decode masters instead (decode_masters.py), which the graph reads, and there
+           is no loop-back copy;
   finish   wait for the copy, write the tokens over the placeholders, commit the pages that
            are now fully known to the prefix cache, and produce the outputs: a step later
            than the synchronous path, the same tokens.
@@ -52,6 +55,7 @@ class DecodeOverlap:
         self._flip = 0
         self.inflight: _Inflight | None = None
         self.num_chained = 0  # steps launched before their predecessor was read back
+        self._masters = core.masters  # in-graph decode inputs (None: loop-back copy)
 
     # --- which steps qualify -------------------------------------------------------------
     def eligible(self, seqs) -> bool:
@@ -90,6 +94,9 @@ class DecodeOverlap:
         # greedy: argmax of the head's output in the model dtype (its float32 copy, which
         # compute_logits returns, orders the same values the same way; tp = 1 here)
         tokens = torch.nn.functional.linear(hidden, core.model.lm_head_weight()).argmax(dim=-1)
+        if self._masters is not None:
+            # the rows' master slots are still the graph's staged row (this step's): on the device
+            self._masters.scatter_tokens(core.graphs.row_slots(tokens.shape[0]), tokens)
         host = self._host[self._flip][:tokens.shape[0]]
         self._flip ^= 1
         host.copy_(tokens, non_blocking=self._cuda)

@@ -17,6 +17,13 @@ queues a CoreOutput(finish_reason="abort"); it is returned by the next `step()` 
 (`has_unfinished()` stays True until it has been returned). Unknown or finished ids are
 ignored.
 
+In-graph decode inputs (MSTAR_INGRAPH_DECODE_TOKENS / _ROPE, read once here at build;
+decode_masters.py): a request takes a master slot when it is admitted (with its sampler row)
+and gives it back when it finishes, is aborted or preempted (`_release_row`); the admission
+writes its newest token (and position) from the host, the sampler scatters each sampled
+token on the device, and with ROPE the host rewrites the position of every row an eager step
+sampled for (graph steps advance it on the device).
+
 Not thread-safe: one thread drives add_request / abort / step (the server's engine loop).
 """
 
@@ -47,6 +54,12 @@ class EngineCore:
         """Load the model and tokenizer named by config.model (or take the given ones:
         tests), size and allocate the caches, bind them."""
         self.config = config
+        # in-graph decode inputs: read once, here (decode_masters.py)
+        ingraph_tokens = bool(knobs.value("MSTAR_INGRAPH_DECODE_TOKENS"))
+        ingraph_rope = bool(knobs.value("MSTAR_INGRAPH_DECODE_ROPE"))
+        if ingraph_rope and not ingraph_tokens:
+            raise knobs.KnobError("MSTAR_INGRAPH_DECODE_ROPE=1 needs MSTAR_INGRAPH_DECODE_TOKENS=1 (the in-graph "
+                                  "positions are kept per decode master slot); set both, or neither")
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.tp = None  # tensor parallel (tp.py): followers, plan broadcast; None when tp = 1
@@ -119,7 +132,11 @@ class EngineCore:
         self.inputs = make_inputs(page_size=self.page_size, device=self.device,
                                   has_attention=self.has_attention, has_state=self.has_state,
                                   cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
+        self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
         self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
+        if self.graphs is None:
+            self.masters = None  # nothing reads them
+        self.sampler.masters = self.masters
         # admission batching: with graphs, few large eager prefill steps beat many small ones
         admit = config.admit_min_free
         if admit is None:
@@ -148,6 +165,25 @@ class EngineCore:
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
+        if self.tp is not None:
+            self.tp.startup_done()  # tp > 1: ends the start-up timing (tp.py logs it)
+
+    def _decode_masters(self, config: EngineConfig, model, wants_graphs: bool, tokens: bool, rope: bool):
+        """The master buffers of in-graph decode inputs (allocated before any capture), or None."""
+        if not tokens:
+            return None
+        why = None
+        if not getattr(model, "reads_device_loopback", False):
+            why = f"{type(model).__name__} reads its decode inputs on the host"
+        elif not wants_graphs:
+            why = "decode graphs are off"
+        elif self.tp is not None:
+            why = "tensor parallel (followers stage their own inputs)"
+        if why is not None:
+            log.warning("MSTAR_INGRAPH_DECODE_TOKENS has no effect: %s", why)
+            return None
+        from mstar.runtime.decode_masters import DecodeMasters
+        return DecodeMasters(config.max_num_seqs, self.device, positions=rope)
 
     def _capture_graphs(self, config: EngineConfig, sizes, max_len: int):
         from mstar.runtime.cuda_graphs import DecodeGraphRunner
@@ -155,7 +191,8 @@ class EngineCore:
                       num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
                       pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto", pad_cross=self.cm.pad_cross,
                       cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0)
-        runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, **params)
+        runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, masters=self.masters,
+                                   **params)
         if self.tp is not None:  # every rank captures the same graphs at once (no eager fallback)
             self.tp.start_graphs(params)
             runner.capture()
@@ -246,6 +283,8 @@ class EngineCore:
         self.token_masks.clear(seq.sampler_row)
         self.sampler.release(seq.sampler_row)
         seq.sampler_row = -1
+        if self.masters is not None:
+            self.masters.release(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._pending)
@@ -276,6 +315,14 @@ class EngineCore:
             self._drop(seq)
             outputs.append(CoreOutput(seq.request_id, [], None, finish_reason="abort",
                                       num_prompt_tokens=seq.num_prompt_tokens))
+        masters = self.masters
+        if masters is not None and sched.admitted:
+            # a master slot each (MasterCapacityError past the capacity), holding the newest
+            # token and its position: what a decode step of the row reads first (a reloaded
+            # row decodes at once; a prefill's sampled token overwrites them)
+            adm = sched.admitted
+            masters.write([masters.assign(s.request_id) for s in adm], [s.token_ids[-1] for s in adm],
+                          [len(s.token_ids) - 1 for s in adm])
         for seq in sched.admitted:
             if seq.sampler_row < 0:
                 seq.sampler_row = self.sampler.add(seq.params, seq.seed, seq.token_ids[:seq.num_prompt_tokens],
@@ -294,12 +341,17 @@ class EngineCore:
 
         rows = self._rows(sched.decode, sched.prefill)
         graphs = self.graphs
+        d_slots = None  # in-graph inputs: the decode rows' master slots (a graph step)
         if graphs is not None and not sched.prefill and graphs.bucket(len(sched.decode)) is not None:
             if pt is not None:
                 pt.before_forward()
             if self.tp is not None:
                 self.tp.send_graph_step(rows)
-            hidden = graphs.run(rows)  # the sampling rows, in order
+            if masters is None:
+                hidden = graphs.run(rows)  # the sampling rows, in order
+            else:  # in-graph inputs: the rows' master slots instead of their tokens
+                d_slots = masters.slots_of(sched.decode)
+                hidden = graphs.run(rows, slots=d_slots)
             n_sample = hidden.shape[0]
             if ov is not None and ov.eligible(sched.decode):
                 self._advance_decode(sched.decode, commit=True)
@@ -318,6 +370,13 @@ class EngineCore:
         # sequences that sample this step, in logits order
         sampling: list[Sequence] = list(sched.decode)
         sampling += [r.seq for r in sched.prefill if r.samples]
+        s_slots = None  # in-graph inputs: the sampling rows' master slots (the sampler writes their tokens)
+        if masters is not None and n_sample:
+            s_slots = d_slots if d_slots is not None else masters.slots_of(sampling)  # graph step: decode rows only
+            if d_slots is None and masters.positions is not None:
+                # an eager step: each sampling row's next decode position is its length now
+                # (a graph step advances it on the device)
+                masters.write(s_slots, positions=[len(s.token_ids) for s in sampling])
         result = None
         if n_sample:
             logits = self.model.compute_logits(hidden)
@@ -331,7 +390,10 @@ class EngineCore:
                            if s.num_output_tokens == 0 and s.begin_suppress_ids]
             if self.token_masks.active:
                 self.token_masks.apply(logits, [s.sampler_row for s in sampling])
-            result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
+            if s_slots is None:
+                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
+            else:
+                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, slots=s_slots)
             if pt is not None:
                 pt.mark(5)
         elif pt is not None:
@@ -394,7 +456,11 @@ class EngineCore:
                                f"{len(sched.admitted)} admitted, {len(sched.preempted)} preempted)")
         self.num_steps += 1
         rows = self._rows(sched.decode, [])
-        hidden = self.graphs.run(rows, loopback=prev.tokens)
+        masters = self.masters
+        if masters is None:
+            hidden = self.graphs.run(rows, loopback=prev.tokens)
+        else:  # the launch of prev scattered its tokens into the masters the graph reads
+            hidden = self.graphs.run(rows, slots=masters.slots_of(sched.decode))
         self._advance_decode(sched.decode, commit=False)  # committed once the input tokens are read back
         ov.launch(sched.decode, hidden)
         ov.num_chained += 1

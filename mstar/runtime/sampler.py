@@ -22,6 +22,12 @@ is `torch_topk` (or another of `sampling.PLANNED_BACKENDS`), `sampling.make_plan
 undecided (rare) come back with the tokens, in the one readback the step already has, and are
 redone by `sampling.redo_rows` (more candidates, then the reference). Any other selection
 (`MSTAR_BACKENDS=sample=reference`, verify mode) calls `ops.sample` itself.
+
+In-graph decode inputs (MSTAR_INGRAPH_DECODE_TOKENS): with `masters` set (the engine sets it
+once at build, only for a model that reads its decode inputs on the device), `sample` also
+takes each row's master slot (uploaded with the rows and steps, in the same copy) and
+scatters the sampled tokens into the token master on the device (no sync). Without it
+nothing of this runs.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Sampler:
         self._free = list(range(max_rows - 1, -1, -1))
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
+        # DecodeMasters (decode_masters.py) the sampled tokens are scattered into; None: off
+        self.masters = None
 
     # --- rows --------------------------------------------------------------------------------
     @property
@@ -116,17 +124,22 @@ class Sampler:
 
     # --- the step ----------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
-               masked: list[tuple[int, list[int]]] | None = None) -> SampleResult:
+               masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None) -> SampleResult:
         """Sample one token for each row of `logits` [B, V].
 
         rows[b]: the sampler row of logits row b; steps[b]: the index of the output token
-        drawn (= tokens generated so far); masked: (b, ids) pairs whose ids must not be drawn.
+        drawn (= tokens generated so far); masked: (b, ids) pairs whose ids must not be drawn;
+        slots[b]: the decode master slot of row b (only with `masters` set: the token is
+        written there on the device).
         """
         B = logits.shape[0]
         V = logits.shape[1]
-        host = np.empty((2, B), dtype=np.int64)
+        scatter = self.masters is not None and slots is not None
+        host = np.empty((3 if scatter else 2, B), dtype=np.int64)
         host[0] = rows
         host[1] = steps
+        if scatter:
+            host[2] = slots
         idx = torch.from_numpy(host)
         if self.device.type != "cpu":
             idx = idx.to(self.device, non_blocking=True)
@@ -185,7 +198,11 @@ class Sampler:
             if bad:  # rare: rows the fast stages could not decide (extra syncs only here)
                 for b, t in zip(bad, sampling.redo_rows(out, bad, *args).tolist()):
                     tok_list[b] = t
+            if scatter:  # after redo_rows, which rewrites the redone rows of `tokens` in place
+                self.masters.scatter_tokens(idx[2], tokens)
         else:
+            if scatter:  # queued before the read-back
+                self.masters.scatter_tokens(idx[2], tokens)
             tok_list = tokens.tolist()
 
         if pen.any():

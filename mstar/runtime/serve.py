@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -192,6 +193,12 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
 
     from mstar.runtime.engine_process import EngineProcess, EngineStartError
 
+    try:  # the web stack first: a missing package must not cost a model load (or leave an engine behind)
+        importlib.import_module("uvicorn")
+        importlib.import_module("mstar.runtime.api_server")
+    except ImportError as e:
+        logger.error("the HTTP server cannot start: %s (pip install fastapi uvicorn python-multipart)", e)
+        return 1
     try:
         config = engine_config(args)
     except ValueError as e:
@@ -228,7 +235,13 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
         raise
     logger.info("engine ready in %.1f s (pid %s, max_model_len %s%s)", time.monotonic() - t0, info.get("pid"),
                 info.get("max_model_len"), f", device {info['device']}" if "device" in info else "")
+    try:
+        return _serve(args, engine, tokenizer, t0)
+    finally:
+        engine.shutdown()
 
+
+def _serve(args, engine, tokenizer, t0: float) -> int:
     import uvicorn
 
     from mstar.runtime.api_server import ServerSettings, build_app
@@ -272,8 +285,6 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         code = 0
-    finally:
-        engine.shutdown()
     if code == 0:
         logger.info("shut down cleanly")
     return code

@@ -11,16 +11,26 @@ last-page lengths are vectorised.
 Layout (see mstar/models/context.py): decode rows first (one token each, the sequence's
 last token at position len-1), then prefill rows (tokens [start, end) at positions
 start..end-1). After the step a row's KV holds `end` (prefill) or `len` (decode) tokens.
+
+Knobs (read once, when the builder is made):
+  MSTAR_KV_PLAN_CACHE      the decode rows' page-table arrays come from a DecodeArrayCache
+                           (decode_plan_cache.py) instead of decode_arrays every step;
+  MSTAR_KV_PINNED_INDPTRS  the two packed buffers go to the device through a PinnedRing: K
+                           preallocated page-locked host buffers, each reused only once the
+                           copy out of it has finished (an event per slot), instead of
+                           pinning a fresh host tensor per buffer and step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.models.context import AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata
+from mstar.runtime.cache_manager import stream_generation
 
 
 @dataclass
@@ -44,6 +54,9 @@ class StepRows:
     # encoder-decoder models: the cross slot of each row (decode rows, then prefill rows)
     decode_cross: list[int] | None = None
     prefill_cross: list[int] | None = None
+    # the cache manager's stream generation when the rows were read (travels with the rows to
+    # tensor-parallel followers): MSTAR_KV_PLAN_CACHE advances only within one generation
+    generation: int = field(default_factory=stream_generation)
 
 
 class StepInputBuilder:
@@ -57,8 +70,16 @@ class StepInputBuilder:
         self.has_attention = has_attention
         self.has_state = has_state
         self._pin = self.device.type == "cuda"
+        self._plan_cache = None  # MSTAR_KV_PLAN_CACHE (decode_plan_cache.py)
+        mode = knobs.value("MSTAR_KV_PLAN_CACHE")
+        if mode:
+            from mstar.runtime.decode_plan_cache import DecodeArrayCache
+            self._plan_cache = DecodeArrayCache(page_size, has_attention, mode)
+        self._ring = PinnedRing(self.device) if knobs.value("MSTAR_KV_PINNED_INDPTRS") else None
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        if self._ring is not None:
+            return self._ring.to_device(arr)
         t = torch.from_numpy(arr)
         if self.device.type == "cpu":
             return t
@@ -74,7 +95,10 @@ class StepInputBuilder:
         P = len(rows.prefill_starts)
 
         # ---- decode -------------------------------------------------------------------------
-        d_pos, d_indptr, d_indices, d_last, d_slot = decode_arrays(rows, ps, self.has_attention)
+        if self._plan_cache is None:
+            d_pos, d_indptr, d_indices, d_last, d_slot = decode_arrays(rows, ps, self.has_attention)
+        else:
+            d_pos, d_indptr, d_indices, d_last, d_slot = self._plan_cache.arrays(rows)
 
         # ---- prefill ------------------------------------------------------------------------
         p_start = np.asarray(rows.prefill_starts, dtype=np.int64)
@@ -184,6 +208,68 @@ def decode_arrays(rows: StepRows, page_size: int, has_attention: bool):
                            dtype=np.int64)
     d_slot = d_indices[d_indptr[:-1] + d_pos // ps] * ps + d_pos % ps if len(d_len) else d_pos
     return d_pos, d_indptr, d_indices, d_last, d_slot
+
+
+class PinnedRing:
+    """MSTAR_KV_PINNED_INDPTRS: host staging buffers for host -> device copies, allocated once
+    (page-locked on CUDA; plain tensors on CPU, where the same logic runs for the tests) and
+    used in turn. A slot is handed out only when the copy out of it has finished: each copy
+    records the slot's event, and `acquire` takes the next slot whose event has completed,
+    waiting on the oldest one when none has. A slot grows (doubling) only when an array does
+    not fit in it.
+
+    to_device(arr): copy arr into a slot, then to the device (non-blocking); on CPU the
+    "device" tensor is a copy of the slot (so no tensor handed out aliases a slot)."""
+
+    def __init__(self, device, num_slots: int = 4, nbytes: int = 1 << 16, event_factory=None):
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        if event_factory is None and self._cuda:
+            event_factory = torch.cuda.Event
+        self._bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda) for _ in range(num_slots)]
+        self._events = [event_factory() if event_factory is not None else None for _ in range(num_slots)]
+        self._recorded = [False] * num_slots  # an event not yet recorded has nothing to wait for
+        self._next = 0
+        self.num_copies = 0
+        self.num_waits = 0  # acquisitions that had to wait for a copy to finish
+        self.num_grows = 0
+
+    def _ready(self, i: int) -> bool:
+        ev = self._events[i]
+        return ev is None or not self._recorded[i] or ev.query()
+
+    def acquire(self) -> int:
+        """The index of a slot whose last copy has finished (round-robin from the last one)."""
+        k = len(self._bufs)
+        for j in range(k):
+            i = (self._next + j) % k
+            if self._ready(i):
+                break
+        else:
+            i = self._next  # every copy still running: wait for the oldest
+            self._events[i].synchronize()
+            self._recorded[i] = False
+            self.num_waits += 1
+        self._next = (i + 1) % k
+        return i
+
+    def to_device(self, arr: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(np.ascontiguousarray(arr))
+        n = src.numel() * src.element_size()
+        i = self.acquire()
+        buf = self._bufs[i]
+        if buf.numel() < n:
+            buf = self._bufs[i] = torch.empty(max(n, 2 * buf.numel()), dtype=torch.uint8, pin_memory=self._cuda)
+            self.num_grows += 1
+        host = buf[:n].view(src.dtype).view(src.shape)
+        host.copy_(src)
+        self.num_copies += 1
+        out = host.to(self.device, non_blocking=True) if self._cuda else host.clone()
+        ev = self._events[i]
+        if ev is not None:
+            ev.record()
+            self._recorded[i] = True
+        return out
 
 
 def _split(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

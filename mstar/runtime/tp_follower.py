@@ -1,0 +1,211 @@
+"""A tensor-parallel follower process (ranks 1..N-1 of tp.py): loads its shard, joins the
+process group, allocates the same caches as rank 0, then replays every step plan rank 0 sends
+and runs the same forward, reporting errors and timing back. `follower_main` is the spawn
+target (pickled by its module path: keep it here, importable without tp.py)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from mstar.runtime.cache_manager import CacheManager
+from mstar.runtime.step_inputs import StepInputBuilder
+from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device
+from mstar.runtime.tp_plan import rebuild, replay_ops
+from mstar.runtime.tp_timing import StepStat, now, sync_once
+
+
+def follower_main(config, rank: int, size: int, port: int, conn, results, threads: int, fault,
+                  timeout: timedelta = COLLECTIVE_TIMEOUT, t_spawn: float | None = None) -> None:
+    """Entry point of follower `rank`: load the shard, allocate caches, run every plan.
+    It leaves with os._exit once its reports are flushed: the interpreter's teardown (freeing
+    the model and caches, the device context, atexit hooks) would only keep rank 0's close
+    waiting, and the OS reclaims all of it."""
+    t_first = now()
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown
+    code = 0
+    try:
+        _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first)
+    except BaseException:  # noqa: BLE001 -- reported to rank 0
+        code = 1
+        try:
+            results.put((rank, "error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        results.close()
+        results.join_thread()  # the reports are in the pipe
+    except Exception:  # noqa: BLE001
+        pass
+    try:  # multiprocessing's own exit work: e.g. unlinking semaphores made here (tqdm's lock)
+        from multiprocessing import util
+        util._exit_function()
+    except Exception:  # noqa: BLE001
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # do not wait on collectives, process-group or interpreter teardown
+
+
+class _FirstCall:
+    """fn, with its first call timed (synchronised once on CUDA, unless capturing)."""
+
+    def __init__(self, fn, device: torch.device):
+        self.fn, self.device = fn, device
+        self.span: tuple[float, float] | None = None
+
+    def __call__(self, *a, **kw):
+        if self.span is not None:
+            return self.fn(*a, **kw)
+        t = now()
+        out = self.fn(*a, **kw)
+        sync_once(self.device)
+        self.span = (t, now())
+        return out
+
+
+def _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn=None,
+              t_first=None) -> None:
+    t_first = now() if t_first is None else t_first
+    ph: dict[str, float | None] = {"spawn": None if t_spawn is None else t_first - t_spawn}
+    extra: dict[str, float | None] = {}
+    t = now()
+    import torch.distributed as dist
+
+    from mstar.models import load_model, parallel
+    from mstar.models.loader import resolve_config
+
+    torch.set_num_threads(max(1, threads))
+    base = config.resolve_device()
+    device = rank_device(base, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = config.resolve_dtype(device)
+    mcfg = resolve_config(config.model)
+    extra["imports + config"] = now() - t
+    # the shard first (no collective needed), then the process group: rank 0 loads its own meanwhile
+    parallel.set_tp(rank, size, None)
+    if fault is not None and fault[0] == rank and fault[1] == "load":
+        raise RuntimeError(f"injected fault: rank {rank} at load")
+    t = now()
+    model = load_model(config.model, dtype=dtype, device=device, random_weights=config.random_weights,
+                       seed=config.seed, progress=False, config=mcfg)
+    ph["load"] = now() - t
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    results.put((rank, "loaded", free))
+    t = now()
+    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
+    ph["init_process_group"] = now() - t
+
+    t = now()
+    msg = pickle.loads(conn.recv_bytes())
+    if msg[0] == "shutdown":  # rank 0 failed before sizing the caches
+        return
+    assert msg[0] == "caches", msg[0]
+    t2 = now()
+    extra["waiting for rank 0's cache sizes"] = t2 - t
+    cm = CacheManager(model.cache_spec(), device=device, **msg[1])
+    model.bind_caches(cm.caches)
+    ph["caches"] = now() - t2
+    results.put((rank, "ready", None))
+    t_ready = now()
+
+    unpack = StepInputBuilder(page_size=cm.page_size, device=device, has_attention=cm.has_attention,
+                              has_state=cm.has_state)
+    forward = _FirstCall(model.forward, device)
+    hosts: dict[int, Any] = {}
+    step = 0
+    # per-step timing (host seconds): waiting for a plan, unpacking it (ops, H2D), the forward's host side
+    # (+ logits), eager and graph-replayed apart, and transit (rank 0's send to this rank's receive)
+    st = {k: StepStat() for k in ("wait", "transit", "unpack", "forward_eager", "forward_graph")}
+    s_wait, s_transit, s_unpack = st["wait"].add, st["transit"].add, st["unpack"].add
+    s_eager, s_graph = st["forward_eager"].add, st["forward_graph"].add
+    t_first_plan = None
+    capture_span: tuple[float, float] | None = None
+    startup_sent = False
+
+    def send_startup() -> None:
+        t_end = capture_span[1] if capture_span is not None else t_ready  # could step from here
+        total = t_end - (t_first if t_spawn is None else t_spawn)
+        idle = None
+        if forward.span is not None:
+            f0, f1 = forward.span
+            ph["first_forward"] = f1 - f0
+            if f0 >= t_end:  # the first step's forward, not a capture warm-up
+                total += f1 - f0
+                idle = None if t_first_plan is None else t_first_plan - t_end
+        ph["total"] = total
+        extra["idle before the first step, not in total"] = idle
+        results.put((rank, "startup", {"phases": dict(ph), "extra": dict(extra)}))
+
+    clock = time.perf_counter
+    with torch.inference_mode():
+        while True:
+            t0 = clock()
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                break  # rank 0 is gone
+            t1 = clock()
+            msg = pickle.loads(data)
+            if msg[0] == "shutdown":
+                break
+            if msg[0] == "graphs":  # capture the decode graphs with rank 0
+                from mstar.runtime.cuda_graphs import DecodeGraphRunner
+                tg = now()
+                runner = DecodeGraphRunner(model, forward, device=device, **msg[1])
+                runner.capture()  # (a failure is reported like any other: rank 0's next collective fails)
+                capture_span = (tg, now())
+                ph["capture"] = capture_span[1] - tg
+                continue
+            if t_first_plan is None:
+                t_first_plan = now()
+            if msg[0] == "gstep":  # a graph-replayed decode step
+                _, ops, rows, t_sent = msg
+                s_transit(time.monotonic() - t_sent)
+                step += 1
+                replay_ops(cm, hosts, ops)
+                t2 = clock()
+                model.compute_logits(runner.run(rows))
+                s_wait(t1 - t0)
+                s_graph(clock() - t2)
+            else:
+                _, ops, lay, arrays, n_sample, t_sent = msg
+                s_transit(time.monotonic() - t_sent)
+                step += 1
+                if fault is not None and fault[0] == rank and fault[1] == "step" and step >= fault[2]:
+                    raise RuntimeError(f"injected fault: rank {rank} at step {step}")
+                replay_ops(cm, hosts, ops)
+                bufs = [unpack._to_device(a) for a in arrays]
+                ctx = rebuild(lay, bufs, device)
+                t2 = clock()
+                hidden = forward(ctx)
+                if n_sample:
+                    model.compute_logits(hidden[ctx.logits_indices])
+                s_wait(t1 - t0)
+                s_unpack(t2 - t1)
+                s_eager(clock() - t2)
+            if not startup_sent:
+                startup_sent = True
+                send_startup()
+    t_shutdown = now()
+    if not startup_sent:
+        send_startup()
+    results.put((rank, "stats", {"steps": step, **st}))
+    t = now()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    parallel.reset_tp()
+    results.put((rank, "bye", {"t_shutdown": t_shutdown, "destroy_s": now() - t}))
+
