@@ -55,5 +55,5 @@ def test_one_engine_caps_the_running_batch_per_point(tmp_path, monkeypatch):
                   "--output-len", "6", "--one-engine", "--out", str(out)])
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert builds == [5] and [r["concurrency"] for r in recs] == [2, 5]
-    assert all(r["one_engine"] for r in recs)
+    assert all(r["one_engine"] and r["knobs"] == {} for r in recs)
     assert peak[2] == 2 and 2 < peak[5] <= 5, peak

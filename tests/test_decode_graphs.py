@@ -142,6 +142,31 @@ def test_cuda_graph_decode_matches_eager(model, compile):
     assert got == ref
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("knob_set", [dict(MSTAR_INGRAPH_DECODE_TOKENS=True),
+                                      dict(MSTAR_INGRAPH_DECODE_TOKENS=True, MSTAR_INGRAPH_DECODE_ROPE=True),
+                                      dict(MSTAR_KV_PLAN_CACHE=2), dict(MSTAR_KV_PINNED_INDPTRS=True),
+                                      dict(MSTAR_KV_CHAIN_LAZY_STEPS=4)], ids=lambda k: "+".join(k))
+def test_cuda_graph_decode_knobs_match_eager(knob_set, caplog):
+    """The reference system's knobs under real capture (overlapped decode on: the default with
+    graphs): tokens equal the eager knobs-off engine's; plan cache mode 2 logs no difference."""
+    from mstar import knobs
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    ps = [[t % 259 for t in p] for p in prompts(13, 3, 60, seed=5)]
+    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
+                    for i, p in enumerate(ps)]
+    opts = dict(model="tiny-qwen3.5", device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=256)
+    ref = run_all(EngineCore(EngineConfig(decode_graphs="off", **opts)), reqs())
+    with knobs.override(**knob_set):
+        g = EngineCore(EngineConfig(**opts))
+        assert g.graphs is not None and g.graphs.graphs and g.overlap is not None
+        got = run_all(g, reqs())
+    assert got == ref
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "plan" in r.getMessage().lower()]
+
+
 def test_admission_batching_groups_prefills_and_keeps_tokens():
     """admit_min_free: while decodes run, waiting requests are admitted once enough rows are
     free (or after admit_max_wait held steps); tokens equal those of admitting at once."""

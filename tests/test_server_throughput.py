@@ -121,7 +121,7 @@ def test_httpx_and_raw_clients_agree(server):
         a, b = _Ids(), _Ids()
         async with httpx.AsyncClient(timeout=30) as cl:
             ra = await bench._one_request(cl, server.url + "/v1/completions", body, {}, True, a)
-        rb = await bench._one_request_raw([None], bench._RawClient(server.url), "/v1/completions", body, {}, True,
+        rb = await bench._one_request_raw([None], bench.RawClient(server.url), "/v1/completions", body, {}, True,
                                           30.0, b)
         return ra, rb, a, b
 
@@ -130,7 +130,7 @@ def test_httpx_and_raw_clients_agree(server):
     assert a.ids == b.ids == [synthetic_token(p, i, vocab) for i in range(20)]
 
     async def bad():
-        return await bench._one_request_raw([None], bench._RawClient(server.url), "/v1/completions",
+        return await bench._one_request_raw([None], bench.RawClient(server.url), "/v1/completions",
                                             dict(body, model="nope"), {}, True, 30.0)
 
     r = asyncio.run(bad())

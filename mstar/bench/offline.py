@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mstar import LLM, SamplingParams
+from mstar import LLM, SamplingParams, knobs
 from mstar.bench.serve import git_commit
 
 
@@ -92,12 +92,17 @@ def _measure(args, llm: LLM, c: int, t_start: float) -> dict:
            "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output,
-           "one_engine": args.one_engine, "graph_capture_s": _capture_s(llm),
+           "one_engine": args.one_engine, "graph_capture_s": _capture_s(llm), "knobs": _set_knobs(),
            "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
     print(f"c={c:4d} n={n:4d} output {rec['output_tok_s']:9.1f} tok/s  "
           f"({dt:.1f} s; start-up {t_run - t_start:.1f} s)", flush=True)
     return rec
+
+
+def _set_knobs() -> dict:
+    """The MSTAR_* knobs this run set away from their defaults (A/B runs of a knob)."""
+    return {k.name: knobs.value(k.name) for k in knobs.KNOBS if knobs.value(k.name) != k.default}
 
 
 def _capture_s(llm) -> float | None:
