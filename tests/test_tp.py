@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: gloo, one spawned follower process per extra rank, fp32,
 tiny random Qwen3.5 / Qwen3 checkpoints written by transformers. Tokens must equal tp=1's
 and HF generate's; prefix-cache hits, aborts and preemptions (offload and recompute)
-at tp=2; tp=4 end to end (KV heads replicated); the sharding arithmetic at tp=2/4/8 on
+at tp=2; overlapped decode (async_output) at tp=2, the loop-back tokens broadcast to the
+follower; tp=4 end to end (KV heads replicated); the sharding arithmetic at tp=2/4/8 on
 the 9B / 27B shapes (meta tensors); the tp=1 path unchanged; follower errors surface on
 rank 0; no follower outlives its engine."""
 
@@ -465,21 +466,127 @@ def test_tp2_decode_graph_path(kind):
         _closed_cleanly(core)
 
 
+# --- overlapped decode (async_output) at tp = 2 -------------------------------------------------------
+def _overlap_requests(stop_tok: int) -> list[EngineRequest]:
+    """Greedy rows of different lengths (one stopping on a token it produces mid-way: with overlap,
+    found only after the next step was launched) and two short sampled rows (steps holding them run
+    synchronously; the greedy rows chain once they are gone)."""
+    reqs = []
+    for i, p in enumerate(PS):
+        if i < 4:
+            sp = SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True,
+                                stop_token_ids=[stop_tok] if i == 2 else [])
+        else:
+            sp = SamplingParams(max_tokens=5, temperature=0.8, seed=11, ignore_eos=True)
+        reqs.append(EngineRequest(f"o{i}", p, sp))
+    reqs.append(EngineRequest("s", PS[0], SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=5,
+                                                         ignore_eos=True)))
+    return reqs
+
+
+def _abort_in_flight(core, kind) -> None:
+    """Abort a request while a chained step is in flight; the other one finishes equal to HF."""
+    core.add_request(EngineRequest("x", PS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    core.add_request(EngineRequest("y", PS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    toks = {"x": [], "y": []}
+    chained = core.overlap.num_chained
+    for _ in range(6):
+        for o in core.step():
+            toks[o.request_id].extend(o.new_token_ids)
+    assert core.overlap.inflight is not None and core.overlap.num_chained > chained
+    core.abort(["x"])
+    fin = {}
+    while core.has_unfinished():
+        for o in core.step():
+            toks[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                fin[o.request_id] = o.finish_reason
+    assert fin == {"x": "abort", "y": "length"}
+    assert toks["y"] == hf_greedy(kind, PS[2], 20)
+    assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, PS[1], 30)[:len(toks["x"])]
+    core.cm.check()
+    assert core.overlap.inflight is None
+    assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_tp2_overlapped_decode(kind):
+    """async_output at tp=2: chained graph steps take their input ids from rank 0's device
+    (broadcast to the follower); tokens equal tp=1 (overlapped and synchronous) and the
+    synchronous tp=2 engine's, with sampled rows (steps fall back to synchronous), a stop token
+    found late, and an abort while a chained step is in flight."""
+    opts = dict(max_num_seqs=8, decode_graphs="static")
+    stop_tok = hf_greedy(kind, PS[2], 26)[6]
+    want = run_all(_engine(kind, 1, async_output="off", **opts), _overlap_requests(stop_tok))
+    assert want["o2"][1] == "stop" and want["o2"][0][-1] == stop_tok
+    tp1 = _engine(kind, 1, async_output="on", **opts)
+    assert run_all(tp1, _overlap_requests(stop_tok)) == want and tp1.overlap.num_chained > 0
+    got = {}
+    for mode in ("off", "on"):
+        core = _engine(kind, 2, async_output=mode, **opts)
+        try:
+            assert (core.overlap is not None) == (mode == "on")
+            got[mode] = run_all(core, _overlap_requests(stop_tok))
+            if mode == "on":
+                assert core.overlap.num_chained > 0, core.num_steps
+                assert core.overlap.num_chained >= core.num_steps // 3, (core.overlap.num_chained, core.num_steps)
+                core.cm.check()
+                _abort_in_flight(core, kind)
+        finally:
+            _closed_cleanly(core)
+    assert got["off"] == want
+    assert got["on"] == want
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_tp2_follower_dies_mid_chain(how, monkeypatch):
+    """A follower that fails (raises before a chained step's broadcast) or is killed while
+    steps are chained: rank 0 raises TPError, and the engine still closes cleanly."""
+    import signal
+
+    from mstar.runtime import tp as tpmod
+    if how == "raise":
+        monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, "chained", 4))
+    core = _engine("qwen3", 2, max_num_seqs=8, decode_graphs="static", async_output="on")
+    try:
+        for i, p in enumerate(PS[:3]):
+            core.add_request(EngineRequest(f"k{i}", p, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                      ignore_eos=True)))
+        if how == "raise":
+            with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at chained step"):
+                for _ in range(60):
+                    core.step()
+            assert core.overlap.num_chained > 0
+        else:
+            while core.overlap.num_chained < 3:
+                core.step()
+            os.kill(core.tp._procs[0].pid, signal.SIGKILL)
+            with pytest.raises(tpmod.TPError, match="rank 1 (exited|failed)"):
+                for _ in range(60):
+                    core.step()
+    finally:
+        _closed_cleanly(core)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_cuda_graphs_match_eager():
     """NCCL: every rank captures the decode graphs (all-reduces inside them) and replays them;
-    tokens equal the eager tp=2 engine's. Run on the two-GPU host."""
+    tokens equal the eager tp=2 engine's, with overlapped decode (the default with captured
+    graphs: chained steps broadcast their loop-back tokens) and without. Run on the two-GPU host."""
     opts = dict(model="tiny-qwen3", random_weights=True, device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                 max_model_len=256)
     ps = [[t % 259 for t in p] for p in PS]  # the tiny presets' vocab
     outs = []
-    for graphs in ("auto", "off"):
+    for graphs, overlap in (("auto", "auto"), ("auto", "off"), ("off", "auto")):
         from mstar.runtime.engine_core import EngineCore
-        core = EngineCore(EngineConfig(decode_graphs=graphs, **opts))
+        core = EngineCore(EngineConfig(decode_graphs=graphs, async_output=overlap, **opts))
         try:
             assert (core.graphs is not None and bool(core.graphs.graphs)) == (graphs == "auto")
+            assert (core.overlap is not None) == (graphs == "auto" and overlap == "auto")
             outs.append(_greedy(core, ps, 16))
+            if core.overlap is not None:
+                assert core.overlap.num_chained > 0
         finally:
             _closed_cleanly(core)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

@@ -49,8 +49,8 @@ class EngineConfig:
     decode_graphs: str = "auto"
     max_graph_batch: int = 256  # largest captured decode batch (capped by max_num_seqs)
     # overlapped decode (decode_overlap.py): launch decode step k before reading step k-1's
-    # tokens back; with decode graphs only. "auto": on where graphs are captured (CUDA, tp 1):
-    # +25-50% output tok/s at c8-c128 on the H200 (notes/gpu-2026-11-30-s3.md); True/False = on/off
+    # tokens back; with decode graphs only. "auto": on where graphs are captured (CUDA, any tp):
+    # +27-33% output tok/s at c8-c128 on the H200 (notes/gpu-2026-11-30-s3.md); True/False = on/off
     async_output: str | bool = "auto"
     # admission batching (scheduler.py): admit this many at once (None = max_num_seqs // 4 when
     # decode graphs run, else 0: at once)

@@ -13,7 +13,9 @@ Life of a decode step in this mode:
            previous step's tokens, copied on the device into the graph's token row
            ("loop-back"); with MSTAR_INGRAPH_DECODE_TOKENS the launch scatters the tokens into
            the decode masters instead (decode_masters.py), which the graph reads, and there
-           is no loop-back copy;
+           is no loop-back copy. Tensor parallel (tp > 1): the tokens exist only on rank 0's
+           device; its plan marks the step as chained and rank 0 broadcasts them to the
+           followers' fixed buffers right before every rank's replay (tp.send_chained_step);
   finish   wait for the copy, write the tokens over the placeholders, commit the pages that
            are now fully known to the prefix cache, and produce the outputs: a step later
            than the synchronous path, the same tokens.
@@ -91,9 +93,12 @@ class DecodeOverlap:
     def launch(self, seqs, hidden: torch.Tensor) -> None:
         """Sample the step's rows on the device, start the host copy, leave placeholders."""
         core = self.core
-        # greedy: argmax of the head's output in the model dtype (its float32 copy, which
-        # compute_logits returns, orders the same values the same way; tp = 1 here)
-        tokens = torch.nn.functional.linear(hidden, core.model.lm_head_weight()).argmax(dim=-1)
+        if core.tp is None:
+            # greedy: argmax of the head's output in the model dtype (its float32 copy, which
+            # compute_logits returns, orders the same values the same way)
+            tokens = torch.nn.functional.linear(hidden, core.model.lm_head_weight()).argmax(dim=-1)
+        else:  # tp > 1: the vocab-parallel head's gather, which every rank joins after a graph step
+            tokens = core.model.compute_logits(hidden).argmax(dim=-1)
         if self._masters is not None:
             # the rows' master slots are still the graph's staged row (this step's): on the device
             self._masters.scatter_tokens(core.graphs.row_slots(tokens.shape[0]), tokens)

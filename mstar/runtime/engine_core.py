@@ -156,7 +156,7 @@ class EngineCore:
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
         self.overlap = None  # overlapped decode (decode_overlap.py)
         overlap = config.async_output == "on" or (config.async_output == "auto" and config.decode_graphs == "auto")
-        if overlap and self.graphs is not None and self.tp is None:
+        if overlap and self.graphs is not None:  # tp > 1: the loop-back is broadcast (tp.send_chained_step)
             if self.phase_timer is not None:
                 log.warning("MSTAR_PHASE_TIMING synchronizes every step: overlapped decode (async_output) is off")
             else:
@@ -458,7 +458,10 @@ class EngineCore:
         rows = self._rows(sched.decode, [])
         masters = self.masters
         if masters is None:
-            hidden = self.graphs.run(rows, loopback=prev.tokens)
+            loop = prev.tokens
+            if self.tp is not None:  # the plan, then the tokens broadcast to every rank's own buffer
+                loop = self.tp.send_chained_step(rows, prev.tokens)
+            hidden = self.graphs.run(rows, loopback=loop)
         else:  # the launch of prev scattered its tokens into the masters the graph reads
             hidden = self.graphs.run(rows, slots=masters.slots_of(sched.decode))
         self._advance_decode(sched.decode, commit=False)  # committed once the input tokens are read back

@@ -88,7 +88,7 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="Disable reuse of cached prompt prefixes across requests.")
     e.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
-                   help="auto: decode-only steps replay CUDA graphs captured at start-up (CUDA, tp 1); "
+                   help="auto: decode-only steps replay CUDA graphs captured at start-up (CUDA; every rank at --tp N); "
                         "off: every step runs eagerly.")
     e.add_argument("--max-graph-batch", type=_positive_int, default=256,
                    help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
@@ -101,7 +101,7 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
                         "tokens are read back (they feed the next step on the device). Greedy rows without "
                         "logprobs or penalties only; other steps run synchronously. auto: on where decode "
-                        "graphs are captured (CUDA, tp 1).")
+                        "graphs are captured (CUDA; at --tp N rank 0 broadcasts the looped-back tokens).")
     e.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                    help="torch.compile the model's forward so Inductor fuses the code between mstar's ops: "
                         "on (every step), decode (only inside the decode graphs), off; auto: off until it "

@@ -19,6 +19,10 @@ its context (pickled once), so a follower's only host work is unpacking it: it n
 on scheduling, only on receiving. Aborts, frees and preemptions need nothing more: they are
 bookkeeping on rank 0, and their tensor effects (if any) are in the plan's cache operations.
 
+Decode graphs: followers capture the same graphs as rank 0 and get only the rows of a replayed
+step ("gstep"); with overlapped decode a chained step's input ids (rank 0's previous tokens, on
+its device) follow the plan as a broadcast from rank 0 (send_chained_step).
+
 Collectives: torch.distributed, NCCL on CUDA (NCCL_NVLS_ENABLE=0 is kept in the
 environment), gloo on CPU; rank r uses device index base + r.
 
@@ -73,7 +77,8 @@ log = logging.getLogger("mstar.runtime.tp")
 class TensorParallel:
     """Rank 0's side: spawns and talks to the followers. Built by EngineCore when tp > 1."""
 
-    # tests: (rank, "load" | "step", n) makes that follower raise at load or before step n
+    # tests: (rank, "load" | "step" | "chained", n) makes that follower raise at load, before
+    # (eager) step n, or before the first chained graph step (overlapped decode) from step n on
     _test_fault: tuple | None = None
 
     def __init__(self, config, device: torch.device):
@@ -113,6 +118,7 @@ class TensorParallel:
         self.follower_exit: dict[int, dict] = {}  # each follower's shutdown timing
         self.close_timing: dict[str, float] = {}
         self._frees: list[int] = []
+        self._loopback: torch.Tensor | None = None  # overlapped decode's broadcast buffer (start_graphs)
         self.cm: MirroredCacheManager | None = None
         self._cache_kw: dict | None = None
         self._monitor: threading.Thread | None = None
@@ -254,11 +260,31 @@ class TensorParallel:
         """Followers build the same DecodeGraphRunner and capture it now, in step with rank 0
         (the captured collectives must pair up): call right before rank 0's own capture."""
         self._t_graphs = now()
+        # overlapped decode's loop-back tokens are broadcast from here (send_chained_step)
+        self._loopback = torch.zeros(params["max_batch"], dtype=torch.int64, device=self.device)
         self._send(("graphs", params))
 
     def send_graph_step(self, rows) -> None:
         """A graph-replayed decode step: the rows (followers fill their own fixed buffers)."""
-        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic()))
+        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), False))
+
+    def send_chained_step(self, rows, tokens: torch.Tensor) -> torch.Tensor:
+        """A chained graph step of overlapped decode (decode_overlap.py): its input ids are the
+        previous step's tokens, still only on rank 0's device. The plan says so, then rank 0
+        broadcasts them from its fixed loop-back buffer; each follower, told by the plan, joins
+        the broadcast into its own buffer and replays with it. Every rank does it right before its
+        replay, so the broadcast precedes the graph's all-reduces and the logits' gather everywhere.
+        NCCL: stream-ordered, no host sync. Returns the buffer's first D entries (the loop-back)."""
+        import torch.distributed as dist
+        d = len(rows.decode_tokens)
+        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), True))
+        buf = self._loopback[:d]
+        buf.copy_(tokens[:d])
+        try:
+            dist.broadcast(buf, src=0)
+        except Exception as e:  # noqa: BLE001 -- a follower gone: its message, as TPError
+            self._raise_follower_error(e)
+        return buf
 
     # --- steps ---------------------------------------------------------------------------
     def _send(self, msg) -> None:

@@ -163,6 +163,8 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
                 from mstar.runtime.cuda_graphs import DecodeGraphRunner
                 tg = now()
                 runner = DecodeGraphRunner(model, forward, device=device, **msg[1])
+                # overlapped decode: a chained step's input ids arrive by broadcast from rank 0
+                loopback = torch.zeros(runner.max_batch, dtype=torch.int64, device=device)
                 runner.capture()  # (a failure is reported like any other: rank 0's next collective fails)
                 capture_span = (tg, now())
                 ph["capture"] = capture_span[1] - tg
@@ -170,12 +172,18 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
             if t_first_plan is None:
                 t_first_plan = now()
             if msg[0] == "gstep":  # a graph-replayed decode step
-                _, ops, rows, t_sent = msg
+                _, ops, rows, t_sent, chained = msg
                 s_transit(time.monotonic() - t_sent)
                 step += 1
+                if fault is not None and fault[0] == rank and fault[1] == "chained" and chained and step >= fault[2]:
+                    raise RuntimeError(f"injected fault: rank {rank} at chained step {step}")
                 replay_ops(cm, hosts, ops)
                 t2 = clock()
-                model.compute_logits(runner.run(rows))
+                loop = None
+                if chained:  # overlapped decode: the input ids are rank 0's previous tokens (tp.py)
+                    loop = loopback[:len(rows.decode_tokens)]
+                    dist.broadcast(loop, src=0)
+                model.compute_logits(runner.run(rows, loopback=loop))
                 s_wait(t1 - t0)
                 s_graph(clock() - t2)
             else:
