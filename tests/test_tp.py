@@ -91,14 +91,18 @@ def _check_prefix_hit(kind, core):
     assert core.cm.stats().prefix_hit_tokens - before >= 32
 
 
-def _check_abort(kind, core):
-    p0, p1 = PS[1], PS[2]
-    core.add_request(EngineRequest("x", p0, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)))
-    core.add_request(EngineRequest("y", p1, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)))
+def _check_abort(kind, core, in_flight: bool = False):
+    """Abort one of two requests after a few steps (in_flight: while a chained step of
+    overlapped decode is in flight); the other one finishes equal to HF."""
+    core.add_request(EngineRequest("x", PS[1], SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)))
+    core.add_request(EngineRequest("y", PS[2], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)))
     toks = {"x": [], "y": []}
-    for _ in range(4):
+    chained = core.overlap.num_chained if in_flight else 0
+    for _ in range(6 if in_flight else 4):
         for o in core.step():
             toks[o.request_id].extend(o.new_token_ids)
+    if in_flight:
+        assert core.overlap.inflight is not None and core.overlap.num_chained > chained
     core.abort(["x"])
     fin = {}
     while core.has_unfinished():
@@ -107,8 +111,8 @@ def _check_abort(kind, core):
             if o.finished:
                 fin[o.request_id] = o.finish_reason
     assert fin == {"x": "abort", "y": "length"}
-    assert toks["y"] == hf_greedy(kind, p1, 20)
-    assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, p0, 30)[:len(toks["x"])]
+    assert toks["y"] == hf_greedy(kind, PS[2], 20)
+    assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, PS[1], 30)[:len(toks["x"])]
     core.cm.check()
     # the engine (and the followers' caches) keep serving
     assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
@@ -485,26 +489,8 @@ def _overlap_requests(stop_tok: int) -> list[EngineRequest]:
 
 
 def _abort_in_flight(core, kind) -> None:
-    """Abort a request while a chained step is in flight; the other one finishes equal to HF."""
-    core.add_request(EngineRequest("x", PS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
-    core.add_request(EngineRequest("y", PS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
-    toks = {"x": [], "y": []}
-    chained = core.overlap.num_chained
-    for _ in range(6):
-        for o in core.step():
-            toks[o.request_id].extend(o.new_token_ids)
-    assert core.overlap.inflight is not None and core.overlap.num_chained > chained
-    core.abort(["x"])
-    fin = {}
-    while core.has_unfinished():
-        for o in core.step():
-            toks[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                fin[o.request_id] = o.finish_reason
-    assert fin == {"x": "abort", "y": "length"}
-    assert toks["y"] == hf_greedy(kind, PS[2], 20)
-    assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, PS[1], 30)[:len(toks["x"])]
-    core.cm.check()
+    """Abort a request while a chained step is in flight; the engine keeps serving."""
+    _check_abort(kind, core, in_flight=True)
     assert core.overlap.inflight is None
     assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
 
