@@ -12,6 +12,7 @@ import torch
 from mstar import knobs, ops
 from mstar.ops import sampling
 from mstar.ops.sampling import uniform_noise
+from test_ops_sampling import _assert_same, _exact_tie, _pick
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -30,11 +31,6 @@ def _fast_backends():
             if b in ops.sample.backends and ops.sample.backends[b].is_available()]
 
 
-def _pick(gen, B, choices, dtype):
-    c = torch.tensor(choices, dtype=dtype)
-    return c[torch.randint(0, len(c), (B,), generator=gen)].to(DEV)
-
-
 def _params(B, V, gen, mix="random"):
     if mix != "random":
         T, k, p, mp = {"temperature": (0.8, 0, 1.0, 0.0), "top-k": (0.8, 50, 1.0, 0.0),
@@ -42,10 +38,10 @@ def _params(B, V, gen, mix="random"):
         f = lambda v, dt: torch.full((B,), v, dtype=dt, device=DEV)  # noqa: E731
         t, k, p, mp = f(T, torch.float32), f(k, torch.int64), f(p, torch.float32), f(mp, torch.float32)
     else:
-        t = _pick(gen, B, [0.0, 0.05, 0.7, 1.0, 1.9], torch.float32)
-        k = _pick(gen, B, [-1, 0, 0, 0, 1, 7, 50, 1500, V - 1, V, V + 3, 5000], torch.int64)
-        p = _pick(gen, B, [1.0, 1.0, 1.0, 0.0, 1e-7, 0.3, 0.9, 0.999, 1 - 1e-7], torch.float32)
-        mp = _pick(gen, B, [0.0, 0.0, 0.0, 0.01, 0.2, 1.0], torch.float32)
+        t = _pick(gen, B, [0.0, 0.05, 0.7, 1.0, 1.9], torch.float32).to(DEV)
+        k = _pick(gen, B, [-1, 0, 0, 0, 1, 7, 50, 1500, V - 1, V, V + 3, 5000], torch.int64).to(DEV)
+        p = _pick(gen, B, [1.0, 1.0, 1.0, 0.0, 1e-7, 0.3, 0.9, 0.999, 1 - 1e-7], torch.float32).to(DEV)
+        mp = _pick(gen, B, [0.0, 0.0, 0.0, 0.01, 0.2, 1.0], torch.float32).to(DEV)
     seeds = torch.randint(-2 ** 62, 2 ** 62, (B,), generator=gen).to(DEV)
     steps = torch.randint(0, 5000, (B,), generator=gen).to(DEV)
     return t, k, p, mp, seeds, steps
@@ -56,13 +52,6 @@ def _lm_logits(B, V, gen):
     head = torch.randint(0, V, (B, 64), generator=gen)
     lg = lg.scatter_add(1, head, 10 + 3 * torch.randn(B, 64, generator=gen))
     return lg.to(torch.bfloat16).float().to(DEV)  # compute_logits: bf16 values in float32
-
-
-def _same(got, want):
-    assert torch.equal(got[0], want[0]), f"tokens differ in rows {torch.nonzero(got[0] != want[0]).flatten().tolist()}"
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0, equal_nan=True)
-    assert torch.equal(got[2], want[2])
-    torch.testing.assert_close(got[3], want[3], atol=1e-5, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("mix", ["random", "temperature", "top-k", "top-p", "min-p"])
@@ -76,7 +65,7 @@ def test_fast_backends_same_tokens_as_reference(mix, V):
         args = (logits, *_params(B, V, gen, mix))
         want = ref(*args, 5)
         for b in _fast_backends():
-            _same(ops.sample.backends[b].fn(*args, 5), want)
+            _assert_same(ops.sample.backends[b].fn(*args, 5), want)
 
 
 def test_triton_pass_matches_torch_pass():
@@ -93,24 +82,6 @@ def test_triton_pass_matches_torch_pass():
     seeds = torch.randint(-2 ** 62, 2 ** 62, (R,), generator=gen).to(DEV)
     steps = torch.randint(0, 5000, (R,), generator=gen).to(DEV)
     assert torch.equal(ts.gumbel_argmax(lf, t, seeds, steps), sampling._gumbel_argmax(lf / t[:, None], seeds, steps))
-
-
-def _exact_tie(li, gi, gj):
-    """(li', x) with li' + gi == x + gj exactly in fp32 and x != li'. Not every sum is reachable
-    (x may have a coarser ulp than the sum), so li is nudged until one is."""
-    up = torch.tensor(float("inf"), device=li.device)
-    for _ in range(64):
-        target = li + gi
-        x = target - gj
-        for _ in range(64):
-            s = x + gj
-            if s == target:
-                break
-            x = torch.nextafter(x, up if s < target else -up)
-        if x + gj == target and x != li:
-            return li, x
-        li = torch.nextafter(li, up)
-    raise AssertionError("no exact tie found")
 
 
 def test_noisy_ties_break_like_the_reference():

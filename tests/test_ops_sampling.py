@@ -386,6 +386,24 @@ def test_escaping_top_p_rows_are_flagged_and_redone():
     _assert_same(FAST(logits, *params, 0), want)
 
 
+def _exact_tie(li, gi, gj):
+    """(li', x) with li' + gi == x + gj exactly in fp32 and x != li'. Not every sum is reachable
+    (x may have a coarser ulp than the sum), so li is nudged until one is."""
+    up = torch.tensor(float("inf"), device=li.device)
+    for _ in range(64):
+        target = li + gi
+        x = target - gj
+        for _ in range(64):
+            s = x + gj
+            if s == target:
+                break
+            x = torch.nextafter(x, up if s < target else -up)
+        if x + gj == target and x != li:
+            return li, x
+        li = torch.nextafter(li, up)
+    raise AssertionError("no exact tie found")
+
+
 def test_full_pass_breaks_noisy_ties_like_the_reference(monkeypatch):
     """Two tokens with the same logit + noise, in different column chunks: the reference takes
     the one with the larger logit (sorted first), not the lower index."""
@@ -395,16 +413,9 @@ def test_full_pass_breaks_noisy_ties_like_the_reference(monkeypatch):
     seeds, steps = torch.tensor([77]), torch.tensor([5])
     g = -torch.log(-torch.log(uniform_noise(seeds, steps, V)))[0]
     i, j = 100, 4000  # chunks 0 and 3
+    li, x = _exact_tie(torch.tensor(3.0), g[i], g[j])
     logits = torch.full((1, V), -50.0)
-    logits[0, i] = 3.0
-    target = logits[0, i] + g[i]
-    x = target - g[j]
-    for _ in range(64):  # step the logit until its noisy value lands exactly on the target
-        s = x + g[j]
-        if s == target:
-            break
-        x = torch.nextafter(x, torch.tensor(float("inf")) if s < target else torch.tensor(float("-inf")))
-    assert x + g[j] == target and x != logits[0, i]
+    logits[0, i] = li
     logits[0, j] = x
     params = (torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.zeros(1), seeds, steps)
     want = REF(logits, *params, 0)[0]

@@ -76,15 +76,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """u[b, i] in (0, 1), float32, a pure function of (seeds[b], steps[b], i).
 
     23 random bits: u = (2m + 1) / 2^24, m in [0, 2^23), exact in float32, never 0 or 1."""
-    a, b = _row_keys(seeds, steps)
-    idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    h = _mix32(_mix32(idx.unsqueeze(0) ^ a.unsqueeze(1)) ^ b.unsqueeze(1))
-    m = h >> 9
-    return (m * 2 + 1).to(torch.float32) * (2.0 ** -24)
+    return _uniform_at(seeds, steps, torch.arange(vocab_size, device=seeds.device, dtype=torch.int64).unsqueeze(0))
 
 
 def _uniform_at(seeds: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """uniform_noise(seeds, steps, V)[b, idx[b, j]] for idx [B, J] int64, without the other columns."""
+    """uniform_noise(seeds, steps, V)[b, idx[b, j]] for idx [B, J] (or [1, J], the same columns
+    for every row) int64, without the other columns."""
     a, b = _row_keys(seeds, steps)
     h = _mix32(_mix32(idx ^ a.unsqueeze(1)) ^ b.unsqueeze(1))
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
@@ -392,6 +389,12 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return tokens, tok_lp, top_ids, top_lp, exact
 
 
+def _read_plan(temperature, top_k, top_p, min_p, vocab_size: int, candidates: int = _CANDIDATES) -> SamplePlan:
+    """make_plan of device parameter tensors, read to the host in one copy (a sync on CUDA)."""
+    host = torch.stack([x.to(torch.float64) for x in (temperature, top_k, top_p, min_p)]).cpu().numpy()
+    return make_plan(host[0], host[1].astype(np.int64), host[2], host[3], vocab_size, candidates)
+
+
 def redo_rows(out: tuple, rows: list[int], logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
               top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Decide `rows` of a `sample_planned` result that it left undecided, in place (tokens, token
@@ -406,8 +409,7 @@ def redo_rows(out: tuple, rows: list[int], logits: torch.Tensor, temperature: to
     V = logits.shape[1]
     tok, lp = None, None
     if V > _CANDIDATES:
-        host = torch.stack([x.to(torch.float64) for x in sub[1:5]]).cpu().numpy()
-        plan = make_plan(host[0], host[1].astype(np.int64), host[2], host[3], V, candidates=_REDO_CANDIDATES)
+        plan = _read_plan(*sub[1:5], V, candidates=_REDO_CANDIDATES)
         tok, lp, _, _, ok = sample_planned(*sub, 0, plan)
         still = torch.nonzero(~ok).flatten().tolist()
     else:
@@ -429,9 +431,7 @@ def redo_rows(out: tuple, rows: list[int], logits: torch.Tensor, temperature: to
 def sample_fast(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs, full_impl=None):
     """`sample` without a full sort, as an op backend: reads the parameters (one sync on CUDA) to
     plan, and the exact flags (a second) when a candidate stage may have left rows undecided."""
-    host = torch.stack([temperature.to(torch.float64), top_k.to(torch.float64), top_p.to(torch.float64),
-                        min_p.to(torch.float64)]).cpu().numpy()
-    plan = make_plan(host[0], host[1].astype(np.int64), host[2], host[3], logits.shape[1])
+    plan = _read_plan(temperature, top_k, top_p, min_p, logits.shape[1])
     out = sample_planned(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs, plan, full_impl)
     if not plan.complete:
         bad = torch.nonzero(~out[4]).flatten().tolist()
@@ -440,11 +440,7 @@ def sample_fast(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logp
     return out[:4]
 
 
-def _sample_torch_topk(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs):
-    return sample_fast(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs)
-
-
-register_backend(sample, "torch_topk", _sample_torch_topk, devices=("cpu", "cuda"), priority=5,
+register_backend(sample, "torch_topk", sample_fast, devices=("cpu", "cuda"), priority=5,
                  note="top-k / top-p on the K largest logits, one Gumbel-max pass otherwise; no full sort")
 
 # Backends of `sample` that are `sample_planned` with a given one-pass kernel (None: torch): the
