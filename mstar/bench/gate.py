@@ -458,7 +458,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--device", default="auto", help="auto (cuda if there is one), cuda, cuda:N or cpu")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64, help="prompts of random token ids")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"),
                     help="prompt lengths drawn uniformly from [LO, HI] (random token ids)")
     ap.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (eos ignored)")

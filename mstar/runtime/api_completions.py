@@ -100,7 +100,7 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
                     yield enc.event(c, usage(states, req.n) if continuous else None)
                 else:
                     yield enc.event(c)
-            if req.stream_options.include_usage:
+            if use_usage:
                 yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage(states, req.n)})
 

@@ -45,12 +45,6 @@ class Mailbox:
             if not w.done():
                 w.set_result(None)
 
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
-
     async def take_all(self) -> list:
         """Every item queued (at least one; waits for it)."""
         while not self._items:
@@ -217,6 +211,7 @@ class ClientGone(Exception):
 
 class ChoiceState:
     __slots__ = (
+        "_text_parts",
         "finish_reason",
         "logprobs",
         "lp_seen",
@@ -224,12 +219,11 @@ class ChoiceState:
         "num_prompt",
         "started",
         "stop_reason",
-        "text",
         "token_ids",
     )
 
     def __init__(self):
-        self.text = ""
+        self._text_parts: list[str] = []  # joined on read: no O(length) copy per streamed delta
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish_reason = None
@@ -239,11 +233,21 @@ class ChoiceState:
         self.started = False
         self.lp_seen = 0
 
+    @property
+    def text(self) -> str:
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
     def update(self, u) -> tuple[str, list[int], list]:
         """Fold in one RequestOutput; returns (text delta, new token ids, new logprobs)."""
         delta = u.text_delta or ""
         new_ids = list(u.new_token_ids or ())
-        self.text = u.text if u.text is not None else self.text + delta
+        if u.text is not None:
+            self._text_parts = [u.text]
+        elif delta:
+            self._text_parts.append(delta)
         if u.token_ids is not None:
             self.token_ids = list(u.token_ids)
         else:

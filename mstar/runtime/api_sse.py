@@ -53,9 +53,8 @@ class ChunkEvents:
 RAW_SEND = "mstar.raw_send"
 
 
-def _body(ev: str | bytes) -> dict:
-    return {"type": "http.response.body", "body": ev if isinstance(ev, bytes) else ev.encode("utf-8"),
-            "more_body": True}
+def _body(ev: str) -> dict:
+    return {"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True}
 
 
 class SSEResponse(StreamingResponse):

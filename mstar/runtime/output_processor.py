@@ -68,20 +68,17 @@ def fast_decode(tokenizer):
                                                                                  "PreTrainedTokenizerFast"):
         return None
 
-    def f(ids, skip_special_tokens):
-        return rust(ids, skip_special_tokens=skip_special_tokens)
-
     try:
         n = len(tokenizer)
         sample = [list(range(i, min(n, i + 4))) for i in range(0, min(n, 600), 4)]
         sample += [list(range(max(0, n - 40), n))]  # the top of the vocabulary: the special tokens
         for ids in sample:
             for skip in (True, False):
-                if f(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False):
+                if rust(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False):
                     return None
     except Exception:  # noqa: BLE001 -- then the ordinary decode
         return None
-    return f
+    return rust  # the bound Rust method itself: no Python frame around each decode
 
 
 class IncrementalDetokenizer:

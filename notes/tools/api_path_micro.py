@@ -124,12 +124,13 @@ async def run(c: int, out_len: int, tokenizer, model: str, return_token_ids: boo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[128])
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[128],
+                   help="Concurrency levels (streamed requests at once).")
+    p.add_argument("--output-len", type=int, default=256, help="Tokens per request.")
     p.add_argument("--model", default="qwen3.5-0.8b", help="tiny-qwen3.5: with the byte tokenizer (detokenization)")
-    p.add_argument("--no-token-ids", action="store_true")
+    p.add_argument("--no-token-ids", action="store_true", help="Do not ask for return_token_ids.")
     p.add_argument("--repeat", type=int, default=3, help="Runs per level; the best is reported.")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the run; print the top 25 by own time.")
     p.add_argument("--no-freeze", action="store_true", help="Leave the start-up heap to the cyclic GC.")
     p.add_argument("--gap-ms", type=float, default=0.0, help="Idle time between steps (a paced engine).")
     args = p.parse_args(argv)

@@ -212,21 +212,24 @@ def run_level(args, url: str, api_pid: int, engine_pid: int, c: int, li: int) ->
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[1, 32, 128],
+                   help="Concurrency levels (streaming clients), one timed run each.")
     p.add_argument("--steps-per-s", type=float, default=200.0, help="Synthetic engine step rate (0: unpaced).")
     p.add_argument("--model", default="qwen3.5-0.8b",
                    help="Served name and tokenizer source: a preset without a built-in tokenizer serves token "
                         "ids only, as the headline benchmark does; tiny-qwen3.5 adds the byte tokenizer.")
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="The server's --max-num-seqs.")
     p.add_argument("--num-prompts", type=int, default=None, help="Timed requests per level (default max(4c, 16); the benchmark's is max(4c, 64), "
                                                                      "which at c=1 is 80 s of steps).")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=256, help="Prompt length (random token ids).")
+    p.add_argument("--output-len", type=int, default=256, help="Tokens per request (max_tokens, eos ignored).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
     p.add_argument("--http-client", default="raw", choices=["raw", "httpx"],
                    help="The benchmark's streaming client (mstar.bench.serve --http-client).")
     p.add_argument("--check", action="store_true", help="Check every request's token ids (slightly more client CPU).")
-    p.add_argument("--py-spy", choices=["api", "engine", "client"], default=None)
+    p.add_argument("--py-spy", choices=["api", "engine", "client"], default=None,
+                   help="py-spy record that process (API server, engine, or this client) over the timed loop "
+                        "(files in --py-spy-dir).")
     p.add_argument("--perf", choices=["api", "engine", "client"], default=None,
                    help="perf record -g a process over the timed loop (native frames: kernel, libpython, ...).")
     p.add_argument("--py-spy-dir", default="/tmp", help="Where the --py-spy / --perf files go.")
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
                    help="Interpreter argument before -m mstar.runtime.serve (repeatable), e.g. "
                         "--python-arg=-m --python-arg=cProfile --python-arg=-o --python-arg=/tmp/api.prof")
     p.add_argument("--json", action="store_true", help="Print the records as JSON lines too.")
-    p.add_argument("--label", default="")
+    p.add_argument("--label", default="", help="A label for the printed heading.")
     args = p.parse_args(argv)
 
     proc, url, _log = start_server(args)
