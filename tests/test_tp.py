@@ -235,7 +235,6 @@ def test_tp2_startup_phases_logged_and_close_is_quick(caplog, monkeypatch):
     for rank in (0, 1):
         found = [ln for ln in lines if ln.startswith(f"tp start-up rank {rank}: ")]
         assert len(found) == 1, lines
-        assert "estimated" not in found[0]  # LLM said when the engine was ready
         for phase in tpmod.STARTUP_PHASES:
             assert re.search(rf"[:,] {phase} {num}", found[0]), (phase, found[0])
         for phase in ("spawn", "init_process_group", "load", "caches", "first_forward", "total"):

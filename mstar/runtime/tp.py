@@ -114,11 +114,9 @@ class TensorParallel:
         self.plan_stat, self.interval_stat = StepStat(), StepStat()
         self._t_last_plan: float | None = None
         self.follower_stats: dict[int, dict] = {}  # per-step timing each follower reports when it exits
-        self.follower_startup: dict[int, dict] = {}  # each follower's start-up phases (after its first step)
         self.follower_exit: dict[int, dict] = {}  # each follower's shutdown timing
         self.close_timing: dict[str, float] = {}
         self._frees: list[int] = []
-        self._loopback: torch.Tensor | None = None  # overlapped decode's broadcast buffer (start_graphs)
         self.cm: MirroredCacheManager | None = None
         self._cache_kw: dict | None = None
         self._monitor: threading.Thread | None = None
@@ -245,12 +243,12 @@ class TensorParallel:
         model.forward = self._guard(model.forward, first=True)
         model.compute_logits = self._guard(model.compute_logits)
 
-    def startup_done(self, t: float | None = None) -> None:
+    def startup_done(self) -> None:
         """The engine is built and may step (EngineCore calls this at the end of its init): the end
         of rank 0's start-up (and of its graph capture)."""
         if self._t_ready is not None:
             return
-        self._t_ready = now() if t is None else t
+        self._t_ready = now()
         if self._t_graphs is not None:
             self.startup["capture"] = self._t_ready - self._t_graphs
         self._log_startup()
@@ -260,8 +258,6 @@ class TensorParallel:
         """Followers build the same DecodeGraphRunner and capture it now, in step with rank 0
         (the captured collectives must pair up): call right before rank 0's own capture."""
         self._t_graphs = now()
-        # overlapped decode's loop-back tokens are broadcast from here (send_chained_step)
-        self._loopback = torch.zeros(params["max_batch"], dtype=torch.int64, device=self.device)
         self._send(("graphs", params))
 
     def send_graph_step(self, rows) -> None:
@@ -271,15 +267,14 @@ class TensorParallel:
     def send_chained_step(self, rows, tokens: torch.Tensor) -> torch.Tensor:
         """A chained graph step of overlapped decode (decode_overlap.py): its input ids are the
         previous step's tokens, still only on rank 0's device. The plan says so, then rank 0
-        broadcasts them from its fixed loop-back buffer; each follower, told by the plan, joins
-        the broadcast into its own buffer and replays with it. Every rank does it right before its
-        replay, so the broadcast precedes the graph's all-reduces and the logits' gather everywhere.
-        NCCL: stream-ordered, no host sync. Returns the buffer's first D entries (the loop-back)."""
+        broadcasts them (the source is only read: no copy into a buffer of its own); each follower,
+        told by the plan, joins the broadcast into its own buffer and replays with it. Every rank
+        does it right before its replay, so the broadcast precedes the graph's all-reduces and the
+        logits' gather everywhere. NCCL: stream-ordered, no host sync. Returns the loop-back (the
+        tokens' first D entries)."""
         import torch.distributed as dist
-        d = len(rows.decode_tokens)
         self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), True))
-        buf = self._loopback[:d]
-        buf.copy_(tokens[:d])
+        buf = tokens[:len(rows.decode_tokens)].contiguous()  # (argmax's output: already contiguous)
         try:
             dist.broadcast(buf, src=0)
         except Exception as e:  # noqa: BLE001 -- a follower gone: its message, as TPError
@@ -310,10 +305,6 @@ class TensorParallel:
         except (BrokenPipeError, EOFError, OSError) as e:
             self._raise_follower_error(e)
         self.plan_stat.add(time.monotonic() - t0)
-
-    @property
-    def plan_steps(self) -> int:
-        return self.plan_stat.n
 
     def _guard(self, fn, first: bool = False):
         # the wrapper goes into the model's own __dict__: holding the model's bound method
@@ -356,7 +347,6 @@ class TensorParallel:
         elif kind == "stats":
             self.follower_stats[rank] = payload
         elif kind == "startup":
-            self.follower_startup[rank] = payload
             emit(startup_line(rank, payload["phases"], payload["extra"]))
         elif kind == "bye":
             self.follower_exit[rank] = payload
@@ -407,8 +397,7 @@ class TensorParallel:
         extra.update({f"waiting for {k}": v for k, v in self.startup_waits.items()})
         extra["engine (tokenizer, sizing, sampler...)"] = max(0.0, ready - known)
         extra["idle before the first step, not in total"] = idle
-        line = startup_line(0, ph, extra)
-        emit(line)
+        emit(startup_line(0, ph, extra))
 
     # --- shutdown ------------------------------------------------------------------------
     def close(self) -> None:

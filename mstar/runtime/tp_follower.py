@@ -72,9 +72,7 @@ class _FirstCall:
         return out
 
 
-def _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn=None,
-              t_first=None) -> None:
-    t_first = now() if t_first is None else t_first
+def _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first) -> None:
     ph: dict[str, float | None] = {"spawn": None if t_spawn is None else t_first - t_spawn}
     extra: dict[str, float | None] = {}
     t = now()
@@ -214,6 +212,5 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    parallel.reset_tp()
     results.put((rank, "bye", {"t_shutdown": t_shutdown, "destroy_s": now() - t}))
 
