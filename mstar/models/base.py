@@ -80,6 +80,14 @@ def _as_id_tuple(v) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
+def allocate_meta(module: nn.Module, device: torch.device | str) -> None:
+    """Real (uninitialised) storage on `device` for every meta tensor of `module`. Not
+    Module.to_empty: its empty_like on meta tensors goes through torch's Python refs, whose first
+    use imports sympy (0.3 s idle, over 1 s on a busy host, in every process and tp rank)."""
+    module._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                  if t.is_meta else t)
+
+
 class DecoderLM(nn.Module):
     """Base class. Subclasses set up `self.model` (a TextModel) and call `_finish_init`."""
 
@@ -258,8 +266,7 @@ class DecoderLM(nn.Module):
     # --- init -------------------------------------------------------------------------------
     def materialize(self, device: torch.device | str) -> None:
         """Give meta parameters real (uninitialised) storage on `device`; build the rope table."""
-        if any(p.is_meta for p in self.parameters()):
-            self.to_empty(device=device)
+        allocate_meta(self, device)
         self.rope.rebuild(device)
         self._weight_map = None
 

@@ -107,12 +107,7 @@ def build_model(config, *, dtype: torch.dtype = torch.float32, device: str | tor
         model = cls(config)
     model = model.to(dtype)
     if torch.device(device).type != "meta":
-        # storage for the meta tensors with torch.empty: Module.to_empty's empty_like on meta
-        # tensors goes through torch's Python refs, whose first use imports sympy (0.3 s idle, over
-        # 1 s on a busy host, in every process: each tensor-parallel rank paid it)
-        model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-                     if t.is_meta else t)
-        model.materialize(device)  # (no meta tensor left: builds the rope table)
+        model.materialize(device)
     model.requires_grad_(False)
     model.eval()
     return model

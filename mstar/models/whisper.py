@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import ops
-from mstar.models.base import DecoderLM, WeightLoadError
+from mstar.models.base import DecoderLM, WeightLoadError, allocate_meta
 from mstar.models.context import (AttentionLayerSpec, CacheSpec, CrossAttentionSpec, ForwardContext,
                                   ModelCaches)
 from mstar.models.layers import Embedding, FusedLinear, Linear, paged_attention, weight_map
@@ -411,8 +411,7 @@ class WhisperForConditionalGeneration(DecoderLM):
 
     # --- init -------------------------------------------------------------------------------
     def materialize(self, device: torch.device | str) -> None:
-        if any(p.is_meta for p in self.parameters()):
-            self.to_empty(device=device)
+        allocate_meta(self, device)
         self._weight_map = None
 
     def _init_param(self, name, p, module, std, gen) -> None:
