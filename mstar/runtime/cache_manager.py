@@ -377,8 +377,7 @@ class CacheManager:
         r = self._active(req_id)
         if not self.has_state or not self._uses_prefix() or self.num_snapshot_slots == 0:
             return []
-        if r.pending is not None:
-            self._register_pending(r)
+        self._register_pending(r)
         ps = self.page_size
         out: list[tuple[int, int]] = []
         first = (start // ps + 1) * ps - 1
@@ -453,6 +452,7 @@ class CacheManager:
             r.pending = token_ids  # the tokens below length never change (rollback registers first)
 
     def _register_pending(self, r: _Request) -> None:
+        """A deferred registration of r, if there is one (MSTAR_KV_CHAIN_LAZY_STEPS)."""
         toks, r.pending = r.pending, None
         if toks is not None and r.host is None:
             full = r.length // self.page_size
@@ -464,8 +464,7 @@ class CacheManager:
         or (None) of every request. A no-op with the knob at 1."""
         reqs = self._reqs.values() if req_id is None else [self._get(req_id)]
         for r in reqs:
-            if r.pending is not None:
-                self._register_pending(r)
+            self._register_pending(r)
 
     def length(self, req_id: str) -> int:
         return self._get(req_id).length
@@ -499,8 +498,7 @@ class CacheManager:
         if r is None:
             return
         _bump_generation()
-        if r.pending is not None:
-            self._register_pending(r)
+        self._register_pending(r)
         self._release_pages(r.pages)
         r.pages = []
         if r.slot is not None:
@@ -520,8 +518,7 @@ class CacheManager:
         src = self._active(src_id)
         if self.has_cross and self._cross.num_free == 0:
             return False
-        if src.pending is not None:
-            self._register_pending(src)
+        self._register_pending(src)
         slot = None
         if self.has_state:
             slot = self._slots.allocate()
@@ -559,8 +556,7 @@ class CacheManager:
                 "recurrent state cannot be rolled back without a checkpoint; restore the slot's "
                 "state and pass state_restored=True")
         _bump_generation()
-        if r.pending is not None:
-            self._register_pending(r)
+        self._register_pending(r)
         new_len = r.length - k
         keep = self._pages_for(new_len)
         dropped = r.pages[keep:]
@@ -578,8 +574,7 @@ class CacheManager:
         release its device pages, slot and snapshot reservations."""
         r = self._active(req_id)
         _bump_generation()
-        if r.pending is not None:
-            self._register_pending(r)
+        self._register_pending(r)
         used = r.pages[:self._pages_for(r.length)]
         r.host = self._to_host(used, r.slot)
         self._release_pages(r.pages)

@@ -70,11 +70,8 @@ class StepInputBuilder:
         self.has_attention = has_attention
         self.has_state = has_state
         self._pin = self.device.type == "cuda"
-        self._plan_cache = None  # MSTAR_KV_PLAN_CACHE (decode_plan_cache.py)
-        mode = knobs.value("MSTAR_KV_PLAN_CACHE")
-        if mode:
-            from mstar.runtime.decode_plan_cache import DecodeArrayCache
-            self._plan_cache = DecodeArrayCache(page_size, has_attention, mode)
+        from mstar.runtime.decode_plan_cache import DecodeArrayCache  # (it imports this module)
+        self._plan_cache = DecodeArrayCache.from_knobs(page_size, has_attention)  # MSTAR_KV_PLAN_CACHE
         self._ring = PinnedRing(self.device) if knobs.value("MSTAR_KV_PINNED_INDPTRS") else None
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
@@ -95,10 +92,8 @@ class StepInputBuilder:
         P = len(rows.prefill_starts)
 
         # ---- decode -------------------------------------------------------------------------
-        if self._plan_cache is None:
-            d_pos, d_indptr, d_indices, d_last, d_slot = decode_arrays(rows, ps, self.has_attention)
-        else:
-            d_pos, d_indptr, d_indices, d_last, d_slot = self._plan_cache.arrays(rows)
+        d_pos, d_indptr, d_indices, d_last, d_slot = decode_arrays(rows, ps, self.has_attention) \
+            if self._plan_cache is None else self._plan_cache.arrays(rows)
 
         # ---- prefill ------------------------------------------------------------------------
         p_start = np.asarray(rows.prefill_starts, dtype=np.int64)
