@@ -303,6 +303,16 @@ def _server_peak_mem_gib(base_url: str, headers: dict) -> float | None:
     return None
 
 
+def _progress(args, level: LevelResult) -> None:
+    """One line per finished level on stderr, so a run cut short still shows what it measured."""
+    if args.quiet:
+        return
+    s = level.summary()
+    print(f"[{args.backend}] c={level.concurrency} N={level.num_prompts}: {s['output_tok_s']} tok/s, "
+          f"TTFT p50 {s['ttft_p50_ms']} ms, ITL p50 {s['itl_p50_ms']} ms, failed {s['failed']}",
+          file=sys.stderr, flush=True)
+
+
 def run_openai(args) -> tuple[list[LevelResult], dict[str, Any]]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     models = _get_json(args.base_url, "/v1/models", headers)
@@ -350,6 +360,7 @@ def run_openai(args) -> tuple[list[LevelResult], dict[str, Any]]:
         if errs and not args.quiet:
             print(f"c={c}: {len(errs)} failed request(s), e.g. {errs[0]}", file=sys.stderr)
         levels.append(LevelResult(c, n, wall, res))
+        _progress(args, levels[-1])
         peak = _server_peak_mem_gib(args.base_url, headers)
         if peak is not None:
             meta.setdefault("peak", {})[c] = peak
@@ -396,7 +407,7 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
         def end(self):
             pass
 
-    def run_batch(batch: list[list[int]]) -> tuple[float, list[RequestResult]]:
+    def run_batch(batch: list[list[int]], new_tokens: int = args.output_len) -> tuple[float, list[RequestResult]]:
         ids = torch.tensor(batch, dtype=torch.long, device=device)
         timer = Timer()
         if device.type == "cuda":
@@ -404,7 +415,7 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=pad, streamer=timer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -423,7 +434,8 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
         prompts = random_prompts(n + c, args.input_len, vocab, args.seed + 1000 * li)
         n_warm = c if args.num_warmup is None else args.num_warmup
         if n_warm:
-            run_batch(prompts[:c])  # one warm-up batch, not counted
+            # one warm-up batch, not counted; a few tokens warm the same kernels as all of them
+            run_batch(prompts[:c], min(args.output_len, 16))
         timed = prompts[c:]
         wall, res = 0.0, []
         for i in range(0, n, c):
@@ -431,6 +443,7 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
             wall += w
             res += r
         levels.append(LevelResult(c, n, wall, res))
+        _progress(args, levels[-1])
     meta = {"gpu": args.gpu or _local_gpu()}
     if device.type == "cuda":
         meta["peak_all"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 3)

@@ -31,7 +31,7 @@ class EngineConfig:
     random_weights: bool = False
     dtype: str = "auto"  # "auto": fp32 on CPU, bf16 on CUDA
     device: str = "auto"  # "auto": cuda if available, else cpu
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: 256 on CUDA (vLLM's default there), 64 elsewhere
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int | None = None  # None: knob MSTAR_PAGE_SIZE
     num_pages: int | None = None  # None: sized from free memory (CUDA) or CPU_CACHE_BYTES
@@ -61,6 +61,8 @@ class EngineConfig:
     compile: str = "auto"
 
     def __post_init__(self):
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if self.resolve_device().type == "cuda" else 64
         self.validate()
 
     @classmethod

@@ -74,8 +74,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m.add_argument("--seed", type=int, default=0,
                    help="Seed of the engine (random weights; requests without their own seed).")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=64,
-                   help="Most sequences the engine runs in one step (decode batch size).")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="Most sequences the engine runs in one step (decode batch size); default: 256 on CUDA, "
+                        "64 on CPU.")
     e.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="Context length limit (prompt + output tokens); default: the model's, at most 4096.")
     e.add_argument("--page-size", type=_positive_int, default=None,

@@ -4,7 +4,7 @@
 #   bash notes/tools/gpu_call.sh "tests:300:python3 -m pytest -m gpu -q tests/test_decode_graphs.py"
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source .gpu/setup.sh
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 if [ -d kernel_cache_in ]; then cat kernel_cache_in/kcache.tgz.* 2>/dev/null | tar xzf - 2>/dev/null; fi
@@ -13,8 +13,9 @@ if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tm
 for spec in "$@"; do
   name=${spec%%:*}; rest=${spec#*:}; limit=${rest%%:*}; cmd=${rest#*:}
   echo "=== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
-  timeout "$limit" bash -c "$cmd" > /tmp/stage.log 2>&1; rc=$?
-  cat /tmp/stage.log >> "$OUT/log"; tail -n 40 /tmp/stage.log
+  # the stage's output goes to $OUT/log as it comes (a call cut short keeps it); the tail to stdout
+  timeout "$limit" bash -c "$cmd" 2>&1 | tee -a "$OUT/log" > /tmp/stage.log; rc=${PIPESTATUS[0]}
+  tail -n 40 /tmp/stage.log
   echo "=== $name rc=$rc" | tee -a "$OUT/log"
 done
 if [ "${PACK_CACHE:-1}" = 1 ]; then tar czf - kernel_cache 2>/dev/null | split -b 15m - "$OUT/kcache.tgz."; fi
