@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import fields
 
@@ -54,6 +55,7 @@ class EngineCore:
         """Load the model and tokenizer named by config.model (or take the given ones:
         tests), size and allocate the caches, bind them."""
         self.config = config
+        t_start = time.perf_counter()
         # in-graph decode inputs: read once, here (decode_masters.py)
         ingraph_tokens = bool(knobs.value("MSTAR_INGRAPH_DECODE_TOKENS"))
         ingraph_rope = bool(knobs.value("MSTAR_INGRAPH_DECODE_ROPE"))
@@ -74,6 +76,7 @@ class EngineCore:
             model = load_model(config.model, dtype=self.dtype, device=self.device,
                                random_weights=config.random_weights, seed=config.seed)
         self.model = model
+        t_loaded = time.perf_counter()
         if tokenizer is None:
             tokenizer = _try_tokenizer(config.model)
         self.tokenizer = tokenizer
@@ -133,7 +136,9 @@ class EngineCore:
                                   has_attention=self.has_attention, has_state=self.has_state,
                                   cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
         self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
+        t_caches = time.perf_counter()
         self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
+        t_graphs = time.perf_counter()
         if self.graphs is None:
             self.masters = None  # nothing reads them
         self.sampler.masters = self.masters
@@ -165,6 +170,8 @@ class EngineCore:
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
+        log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, decode graphs %.1f s",
+                 time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded, t_graphs - t_caches)
         if self.tp is not None:
             self.tp.startup_done()  # tp > 1: ends the start-up timing (tp.py logs it)
 

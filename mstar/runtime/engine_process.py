@@ -116,8 +116,13 @@ def _engine_info(engine: Any) -> dict[str, Any]:
     return info
 
 
-def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp.Queue) -> None:
+def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp.Queue,
+                log_level: int = logging.WARNING) -> None:
     """Entry point of the engine process."""
+    # a spawned process starts with logging unconfigured: log as the API process does (the
+    # engine's start-up breakdown and graph capture lines are INFO)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
     # Ctrl-C in a terminal reaches the whole process group; the API process owns shutdown
     # (it drains in-flight requests first), so the engine ignores SIGINT/SIGTERM and exits
     # when told to, or when its parent is gone.
@@ -256,7 +261,8 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._in_q = ctx.Queue()
         self._out_q = ctx.Queue()
-        self._proc = ctx.Process(target=engine_main, args=(config, factory, self._in_q, self._out_q),
+        self._proc = ctx.Process(target=engine_main,
+                                 args=(config, factory, self._in_q, self._out_q, logging.getLogger().getEffectiveLevel()),
                                  name="mstar-engine", daemon=False)
         self.info: dict[str, Any] = {}
         self._reader: threading.Thread | None = None
