@@ -201,14 +201,14 @@ def test_admission_batching_groups_prefills_and_keeps_tokens():
 
 
 def test_admission_batching_waits_at_most_admit_max_wait_steps():
-    core = engine("qwen3", page_size=4, max_num_seqs=4, decode_graphs="static", admit_min_free=4)
+    core = engine("qwen3", page_size=4, max_num_seqs=8, decode_graphs="static", admit_min_free=8)
     core.scheduler.admit_max_wait = 3
-    for i, p in enumerate(prompts(4, 3, 6, seed=9)):
+    for i, p in enumerate(prompts(8, 3, 6, seed=9)):
         core.add_request(EngineRequest(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
     core.step()
     core.add_request(EngineRequest("late", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
                                                                     ignore_eos=True)))
-    core.abort(["0"])  # one row frees: 1 < admit_min_free, so "late" is held back...
+    core.abort(["0"])  # one row frees: 1 < the batch (min(8, 8 requests / 4) = 2), so "late" is held back...
     waits = 0
     while core.scheduler.waiting:
         core.step()
@@ -217,6 +217,27 @@ def test_admission_batching_waits_at_most_admit_max_wait_steps():
     while core.has_unfinished():
         core.step()
     assert_no_leaks(core)
+
+
+def test_admission_batch_is_a_quarter_of_the_requests_at_most():
+    """A burst at low concurrency is admitted at once: the batch waited for is admit_min_free
+    or a quarter of the requests in the engine, whichever is smaller."""
+    core = engine("qwen3", page_size=4, max_num_seqs=16, decode_graphs="static", admit_min_free=8)
+    for i, p in enumerate(prompts(4, 3, 6, seed=9)):
+        core.add_request(EngineRequest(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    core.step()
+    for i, p in enumerate(prompts(2, 3, 6, seed=10)):  # 2 waiting of 6 requests: the batch is min(8, 2) = 2
+        core.add_request(EngineRequest(f"late{i}", p, SamplingParams(max_tokens=3, temperature=0.0,
+                                                                    ignore_eos=True)))
+    sched, seen = core.scheduler.schedule, []
+    core.scheduler.schedule = lambda: seen.append(sched()) or seen[-1]
+    core.step()
+    core.scheduler.schedule = sched
+    assert [s.request_id for s in seen[0].admitted] == ["late0", "late1"] and len(seen[0].decode) == 4
+    core.add_request(EngineRequest("late2", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                     ignore_eos=True)))
+    out = core.scheduler.schedule()  # 1 waiting < min(8, 7 / 4 -> 2): held
+    assert not out.admitted and core.scheduler.waiting
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -21,8 +21,11 @@ Memory policy:
   * no admissions in a step that preempted (the pool is known to be tight).
 
 Admission batching (`admit_min_free` > 0): while decode rows are running, new requests
-are admitted only once `admit_min_free` of them can be admitted together (that many rows
-free and that many waiting), or once they have been held `admit_max_wait` steps. Decode-only steps replay CUDA graphs
+are admitted only once a batch of them can be admitted together (that many rows free and
+that many waiting), or once they have been held `admit_max_wait` steps. The batch is
+`admit_min_free`, or a quarter of the requests in the engine (running + waiting) if that is
+smaller: a server at low concurrency (8 requests in flight, max_num_seqs 256) admits a
+burst at once instead of holding it for rows it will never fill. Decode-only steps replay CUDA graphs
 and a step with prefill rows runs eagerly, so admitting the requests that finish a few at
 a time in one batch turns many small eager steps into a few large ones. Tokens do not
 change (a row's tokens do not depend on its batch), only when prefills run.
@@ -201,8 +204,9 @@ class Scheduler:
         return out
 
     def _batch_ready(self) -> bool:
-        """Enough rows free and enough requests waiting to admit admit_min_free at once."""
-        return min(self.max_num_seqs - len(self.running), len(self.waiting)) >= self.admit_min_free
+        """Enough rows free and enough requests waiting to admit a batch at once (module docstring)."""
+        want = min(self.admit_min_free, -(-(len(self.running) + len(self.waiting)) // 4))
+        return min(self.max_num_seqs - len(self.running), len(self.waiting)) >= want
 
     def admission_held(self) -> bool:
         """Would the next schedule() (with decode rows running) hold the waiting requests back?"""

@@ -13,6 +13,9 @@ is preferred when both are available; MSTAR_BACKENDS picks either).
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -27,25 +30,53 @@ def _run_chunk(q, k, v, g, beta, init, cu, cu_cpu, scale):
     return o[0], final
 
 
-@torch.inference_mode()
-def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale):
-    if q.shape[0] == 0:
-        return torch.empty_like(v)
-    slots_l = slots.long()
+@dataclass
+class _Round:
+    """One fla call of a step with snapshots: the r-th piece of every row that has one."""
+    tok: torch.Tensor | None  # device: the step's token indices of the pieces, row after row (None: all, in order)
+    live: torch.Tensor  # device: which rows take part (index into the step's rows)
+    cu: torch.Tensor  # device int64 cu_seqlens of the pieces
+    cu_cpu: torch.Tensor
+    snap_src: torch.Tensor | None  # device: pieces (index into live) whose end state is a snapshot...
+    snap_dst: torch.Tensor | None  # ...and the pool slots it goes to
+
+
+@dataclass
+class _StepPlan:
+    """Host-side plan of one step's prefill rows, built by the first GDN layer of the step and
+    shared by the others: one device read per step instead of several per layer, and the same
+    cu_seqlens tensor for every call (fla caches what it derives from it by identity)."""
+    cu: torch.Tensor
+    cu_cpu: torch.Tensor
+    rounds: list[_Round] | None  # None: no snapshots, one call over all rows
+
+
+# (weak references to the step's index tensors, their plan). The step's metadata tensors are new
+# objects every step and the same objects for all of its layers, so identity is the key; a caller
+# that rewrites one of them in place between calls must pass a new tensor instead.
+_last_plan: list = [None]
+
+
+def _step_plan(cu_seqlens: torch.Tensor, snap_token_idx: torch.Tensor, snap_slots: torch.Tensor) -> _StepPlan:
+    keys = (cu_seqlens, snap_token_idx, snap_slots)
+    held = _last_plan[0]
+    if held is not None and all(r() is t for r, t in zip(held[0], keys)):
+        return held[1]
+    plan = _build_plan(cu_seqlens, snap_token_idx, snap_slots)
+    _last_plan[0] = (tuple(weakref.ref(t) for t in keys), plan)
+    return plan
+
+
+def _build_plan(cu_seqlens, snap_token_idx, snap_slots) -> _StepPlan:
+    dev = cu_seqlens.device
+    cu_cpu = cu_seqlens.cpu().long()
     if snap_token_idx.numel() == 0:
-        cu_cpu = cu_seqlens.cpu().long()
-        o, final = _run_chunk(q, k, v, g, beta, state_pool.index_select(0, slots_l).float(),
-                              cu_seqlens.long(), cu_cpu, scale)
-        state_pool.index_copy_(0, slots_l, final.to(state_pool.dtype))
-        return o
-    return _prefill_in_rounds(q, k, v, g, beta, state_pool, cu_seqlens, slots_l, snap_token_idx, snap_slots, scale)
-
-
-def _prefill_in_rounds(q, k, v, g, beta, state_pool, cu_seqlens, slots_l, snap_token_idx, snap_slots, scale):
-    # host-side plan of the pieces (a prefill step with snapshots is not graph-captured)
-    cu = cu_seqlens.tolist()
+        return _StepPlan(cu_seqlens.long(), cu_cpu, None)
+    # cut rows at the snapshot positions; round r runs the r-th piece of every row, starting from
+    # the state round r-1 ended in (a step with snapshots is not graph-captured)
+    cu = cu_cpu.tolist()
     snaps = sorted(zip(snap_token_idx.tolist(), snap_slots.tolist()))
-    rows = []  # per row: list of (start, end, slot to write the state into)
+    rows = []  # per row: list of (start, end, slot to write the end state into)
     si = 0
     for r in range(len(cu) - 1):
         start, end = cu[r], cu[r + 1]
@@ -59,8 +90,7 @@ def _prefill_in_rounds(q, k, v, g, beta, state_pool, cu_seqlens, slots_l, snap_t
         if start < end:
             pieces.append((start, end, None))
         rows.append(pieces)
-    out = torch.empty_like(v)
-    state = state_pool.index_select(0, slots_l).float()  # running state per row
+    rounds = []
     for rnd in range(max(len(p) for p in rows)):
         live = [r for r, p in enumerate(rows) if rnd < len(p)]
         idx, cu_r = [], [0]
@@ -68,18 +98,42 @@ def _prefill_in_rounds(q, k, v, g, beta, state_pool, cu_seqlens, slots_l, snap_t
             s, e, _ = rows[r][rnd]
             idx.append(torch.arange(s, e))
             cu_r.append(cu_r[-1] + e - s)
-        tok = torch.cat(idx).to(q.device)
-        live_t = torch.tensor(live, device=q.device)
-        cu_cpu = torch.tensor(cu_r, dtype=torch.long)
-        o, final = _run_chunk(q[tok], k[tok], v[tok], g[tok], beta[tok], state.index_select(0, live_t),
-                              cu_cpu.to(q.device), cu_cpu, scale)
-        out[tok] = o
-        state.index_copy_(0, live_t, final)
+        rc = torch.tensor(cu_r, dtype=torch.long)
         dst = [(i, rows[r][rnd][2]) for i, r in enumerate(live) if rows[r][rnd][2] is not None]
-        if dst:
-            src_i = torch.tensor([i for i, _ in dst], device=q.device)
-            state_pool.index_copy_(0, torch.tensor([d for _, d in dst], device=q.device),
-                                   final.index_select(0, src_i).to(state_pool.dtype))
+        whole = len(live) == len(rows) and cu_r == cu  # every row whole: no gather / scatter
+        rounds.append(_Round(None if whole else torch.cat(idx).to(dev), torch.tensor(live, device=dev), rc.to(dev), rc,
+                             torch.tensor([i for i, _ in dst], device=dev) if dst else None,
+                             torch.tensor([d for _, d in dst], device=dev) if dst else None))
+    return _StepPlan(cu_seqlens.long(), cu_cpu, rounds)
+
+
+@torch.inference_mode()
+def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale):
+    if q.shape[0] == 0:
+        return torch.empty_like(v)
+    slots_l = slots.long()
+    plan = _step_plan(cu_seqlens, snap_token_idx, snap_slots)
+    if plan.rounds is None:
+        o, final = _run_chunk(q, k, v, g, beta, state_pool.index_select(0, slots_l).float(), plan.cu,
+                              plan.cu_cpu, scale)
+        state_pool.index_copy_(0, slots_l, final.to(state_pool.dtype))
+        return o
+    out = None
+    state = state_pool.index_select(0, slots_l).float()  # running state per row
+    for rd in plan.rounds:
+        tok = rd.tok
+        if tok is None:  # one round of whole rows (snapshots only at row ends: the common case)
+            o, final = _run_chunk(q, k, v, g, beta, state, rd.cu, rd.cu_cpu, scale)
+            out = o
+        else:
+            o, final = _run_chunk(q[tok], k[tok], v[tok], g[tok], beta[tok], state.index_select(0, rd.live),
+                                  rd.cu, rd.cu_cpu, scale)
+            if out is None:
+                out = torch.empty_like(v)
+            out[tok] = o
+        state.index_copy_(0, rd.live, final)
+        if rd.snap_src is not None:
+            state_pool.index_copy_(0, rd.snap_dst, final.index_select(0, rd.snap_src).to(state_pool.dtype))
     state_pool.index_copy_(0, slots_l, state.to(state_pool.dtype))
     return out
 
