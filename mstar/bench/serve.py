@@ -384,7 +384,8 @@ def run_hf(args) -> tuple[list[LevelResult], dict[str, Any]]:
     else:
         from mstar.models import resolve_config
         cfg = resolve_config(args.model)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        with device:  # random init on the device itself (a 0.8B init on the host takes tens of seconds)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model = model.to(device).eval()
     vocab = int(args.vocab_size or model.config.vocab_size)
     eos = model.config.eos_token_id
