@@ -127,6 +127,11 @@ KNOBS: tuple[Knob, ...] = (
          "at once (prompt pages and pages with GDN snapshots: at once); pending pages are registered before "
          "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset.",
          minimum=1),
+    Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
+         "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
+         "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "
+         "NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above. CUDA only: "
+         "elsewhere it has no effect (with a warning).", choices=("nccl", "symm_mem")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

@@ -85,8 +85,22 @@ def single_rank():
 # --- collectives (only called when size > 1) ------------------------------------------------------
 # Layers call these only when their own tp size (read at construction) is > 1, with the
 # group they captured then.
+# A faster sum for the default group that the runtime may install once the process group is up
+# (runtime/tp_allreduce.py): called with x, it sums in place and returns True, or returns False
+# for a tensor it does not take (dtype, size), which then goes through torch.distributed.
+_FAST_ALL_REDUCE: list = [None]
+
+
+def install_all_reduce(fn: Any) -> None:
+    """Install (or, with None, remove) the default group's fast all-reduce."""
+    _FAST_ALL_REDUCE[0] = fn
+
+
 def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum over the group's ranks, in place; returns x."""
+    fast = _FAST_ALL_REDUCE[0]
+    if fast is not None and group is None and fast(x):
+        return x
     import torch.distributed as dist
     dist.all_reduce(x, group=group)
     return x

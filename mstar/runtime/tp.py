@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.runtime import tp_allreduce
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_follower import follower_main
 from mstar.runtime.tp_group import (COLLECTIVE_TIMEOUT, ERROR_WAIT_S, JOIN_TIMEOUT_S, START_TIMEOUT_S, TPError,
@@ -90,6 +91,7 @@ class TensorParallel:
         self._t0 = now()
         self.size = int(config.tp)
         self.device = torch.device(device)
+        self.allreduce = "nccl"  # what sums the row-parallel outputs (tp_allreduce.py), set once the group is up
         if dist.is_initialized():
             raise RuntimeError("tp: torch.distributed is already initialised in this process; the engine "
                                "starts its own tensor-parallel group")
@@ -170,6 +172,7 @@ class TensorParallel:
             t = now()
             dist.init_process_group(backend_for(self.device), store=self._store, rank=0, world_size=self.size,
                                     timeout=COLLECTIVE_TIMEOUT)
+            self.allreduce = tp_allreduce.setup(self.device, dtype)  # collective: the followers do the same
             self.startup["init_process_group"] = now() - t
         except BaseException:
             self.close()
@@ -430,6 +433,7 @@ class TensorParallel:
         self._log_phases()
         self._finalizer.detach()
         import torch.distributed as dist
+        tp_allreduce.teardown()  # this process's layers fall back to torch.distributed (and free the buffer)
         if dist.is_initialized():
             try:
                 if self.error is not None and self.device.type == "cuda":

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mstar.runtime.cache_manager import CacheManager
+from mstar.runtime import tp_allreduce
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device
 from mstar.runtime.tp_plan import rebuild, replay_ops
@@ -102,6 +103,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     t = now()
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
+    tp_allreduce.setup(device, dtype)  # collective: rank 0 does the same
     ph["init_process_group"] = now() - t
 
     t = now()

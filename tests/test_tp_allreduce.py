@@ -1,0 +1,109 @@
+"""MSTAR_TP_ALLREDUCE: which all-reduce sums the row-parallel outputs at tp > 1.
+
+On CPU: the layers' all-reduce goes to an installed fast path only for the tensors it takes
+(and only on the default group), everything else to torch.distributed; the knob's default
+installs nothing (the default path is the plain torch.distributed call); symm_mem has no
+effect off CUDA. On two GPUs: tokens with the one-shot all-reduce equal those with NCCL,
+graphs captured around it."""
+
+import logging
+
+import pytest
+import torch
+
+from mstar import knobs
+from mstar.models import parallel
+from mstar.runtime import tp_allreduce
+
+
+class _FakeDist:
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, x, group=None):
+        self.calls.append((x, group))
+        x.mul_(2)  # two ranks holding the same values
+
+
+@pytest.fixture()
+def fake_dist(monkeypatch):
+    import torch.distributed as dist
+    fake = _FakeDist()
+    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    yield fake
+    parallel.install_all_reduce(None)
+
+
+def test_fast_all_reduce_takes_only_what_it_accepts(fake_dist):
+    taken = []
+
+    def fast(x):
+        if x.dtype != torch.bfloat16:
+            return False
+        taken.append(x)
+        x.mul_(3)
+        return True
+
+    parallel.install_all_reduce(fast)
+    a = torch.ones(4, dtype=torch.bfloat16)
+    assert parallel.all_reduce(a) is a and torch.equal(a, torch.full((4,), 3.0, dtype=torch.bfloat16))
+    b = torch.ones(4)  # declined: torch.distributed
+    parallel.all_reduce(b)
+    assert torch.equal(b, torch.full((4,), 2.0)) and fake_dist.calls == [(b, None)]
+    c = torch.ones(4, dtype=torch.bfloat16)  # another group: never the fast path
+    parallel.all_reduce(c, group="other")
+    assert len(taken) == 1 and fake_dist.calls[-1] == (c, "other")
+
+
+def test_default_knob_installs_nothing(fake_dist):
+    with knobs.override(MSTAR_TP_ALLREDUCE="nccl"):
+        assert tp_allreduce.setup(torch.device("cpu"), torch.float32) == "nccl"
+    assert parallel._FAST_ALL_REDUCE[0] is None
+    x = torch.ones(3)
+    parallel.all_reduce(x)
+    assert fake_dist.calls == [(x, None)]
+
+
+def test_symm_mem_has_no_effect_off_cuda(fake_dist, caplog):
+    with knobs.override(MSTAR_TP_ALLREDUCE="symm_mem"), caplog.at_level(logging.WARNING):
+        assert tp_allreduce.setup(torch.device("cpu"), torch.bfloat16) == "nccl"
+    assert parallel._FAST_ALL_REDUCE[0] is None
+    assert any("MSTAR_TP_ALLREDUCE=symm_mem has no effect" in r.getMessage() for r in caplog.records)
+
+
+def test_symm_mem_declines_what_the_kernel_cannot_take():
+    """The size / dtype / alignment / layout checks, without a GPU (the kernel is never reached)."""
+    ar = tp_allreduce.SymmMemAllReduce.__new__(tp_allreduce.SymmMemAllReduce)
+    ar.dtype = torch.bfloat16
+    ar.buf = None  # any use of the buffer would fail: every case below must decline first
+    assert not ar(torch.ones(8))  # fp32
+    assert not ar(torch.ones(3, dtype=torch.bfloat16))  # 6 bytes: not 16-byte vectors
+    assert not ar(torch.ones(tp_allreduce.MAX_BYTES // 2 + 8, dtype=torch.bfloat16))  # too large
+    assert not ar(torch.ones(16, 8, dtype=torch.bfloat16).t())  # not contiguous
+    assert not ar(torch.ones(17, dtype=torch.bfloat16)[1:])  # 32 bytes, but 2 bytes past a vector boundary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_symm_mem_all_reduce_matches_nccl(monkeypatch):
+    """tp=2 with decode graphs and overlapped decode: the one-shot all-reduce on symmetric
+    memory gives the NCCL engine's tokens. Run on the two-GPU host (multicast stays off)."""
+    from tests.test_tp import PS, _closed_cleanly, _greedy
+
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    opts = dict(model="tiny-qwen3", random_weights=True, device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
+                max_model_len=256)
+    ps = [[t % 259 for t in p] for p in PS]
+    outs = []
+    for mode in ("nccl", "symm_mem"):
+        monkeypatch.setenv("MSTAR_TP_ALLREDUCE", mode)  # the followers read it from their environment
+        knobs.reload()
+        core = EngineCore(EngineConfig(**opts))
+        try:
+            assert core.tp.allreduce == mode
+            outs.append(_greedy(core, ps, 16))
+        finally:
+            _closed_cleanly(core)
+    knobs.reload()
+    assert outs[0] == outs[1]
