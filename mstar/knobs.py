@@ -127,6 +127,10 @@ KNOBS: tuple[Knob, ...] = (
          "at once (prompt pages and pages with GDN snapshots: at once); pending pages are registered before "
          "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset.",
          minimum=1),
+    Knob("MSTAR_IDLE_GATHER_US", "int", 0,
+         "Engine process: when a request arrives while the engine is idle, keep taking arrivals for this many "
+         "microseconds before the first step, so that a burst (a closed-loop wave, a client's batch) is "
+         "prefilled in one step rather than its first request alone. 0: step at once.", minimum=0),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
          "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "

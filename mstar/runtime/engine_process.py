@@ -45,6 +45,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from mstar import knobs
 from mstar.runtime.request import CoreOutput
 
 logger = logging.getLogger("mstar.engine_process")
@@ -153,23 +154,15 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     last_stats = 0.0
     stats_dirty = True
     n_messages = n_records = 0
+    gather_s = knobs.value("MSTAR_IDLE_GATHER_US") / 1e6
     while True:
         busy = engine.has_unfinished()
         cmds = []
         if pt is not None:
             t_drain = clock()
-        try:
-            if busy:
-                while True:
-                    cmds.append(in_q.get_nowait())
-            else:
-                if pt is not None:
-                    t_drain = 0  # blocks for requests: the timer marks that gap as waiting, not idle
-                cmds.append(in_q.get(timeout=IDLE_POLL_S))
-                while True:
-                    cmds.append(in_q.get_nowait())
-        except queue.Empty:
-            pass
+        if not busy and pt is not None:
+            t_drain = 0  # blocks for requests: the timer marks that gap as waiting, not idle
+        take_commands(in_q, cmds, busy, gather_s)
         now = time.monotonic()
         if now - last_parent_check > IDLE_POLL_S:
             last_parent_check = now
@@ -246,6 +239,28 @@ def _close(engine: Any) -> None:
             close()
         except Exception:  # noqa: BLE001 -- exiting anyway
             logger.exception("engine close failed")
+
+
+def take_commands(in_q, cmds: list, busy: bool, gather_s: float = 0.0) -> None:
+    """Append the commands waiting in in_q to cmds. Busy: only those already there. Idle: block
+    for the first (up to IDLE_POLL_S), then, with gather_s > 0 (MSTAR_IDLE_GATHER_US), keep taking
+    arrivals until gather_s after it, so that a burst starts in one step."""
+    try:
+        if not busy:
+            cmds.append(in_q.get(timeout=IDLE_POLL_S))
+            deadline = time.monotonic() + gather_s
+            while gather_s > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    cmds.append(in_q.get(timeout=left))
+                except queue.Empty:
+                    break
+        while True:
+            cmds.append(in_q.get_nowait())
+    except queue.Empty:
+        pass
 
 
 class EngineStartError(RuntimeError):
