@@ -225,3 +225,24 @@ def test_delta_output_processor_matches_cumulative():
                     break
             got.append((deltas, st.text, st.token_ids, len(st.logprobs), st.finish_reason, st.stop_reason))
         assert got[0] == got[1] == got[2]
+
+
+def test_synthetic_prefill_time_is_paid_by_admitting_steps(monkeypatch):
+    """SYNTH_PREFILL_MS: a step that admits requests takes that much longer (an eager prefill),
+    a step that only decodes does not."""
+    import time
+
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.request import EngineRequest, SamplingParams
+    from mstar.runtime.synthetic_engine import SyntheticEngine
+    monkeypatch.setenv("SYNTH_STEPS_PER_S", "0")
+    monkeypatch.setenv("SYNTH_PREFILL_MS", "60")
+    eng = SyntheticEngine(EngineConfig(model=MODEL, max_num_seqs=4))
+    eng.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
+    t = time.perf_counter()
+    eng.step()
+    admitting = time.perf_counter() - t
+    t = time.perf_counter()
+    eng.step()
+    decoding = time.perf_counter() - t
+    assert admitting >= 0.06 and decoding < 0.03

@@ -16,6 +16,8 @@ names, which the knob registry owns):
   SYNTH_STEPS_PER_S   step rate (default 200; 0: as fast as possible)
   SYNTH_VOCAB_SIZE    vocabulary (default: the preset's, else 248320)
   SYNTH_MAX_MODEL_LEN context limit (default: config.max_model_len or 4096)
+  SYNTH_PREFILL_MS    extra time of a step that admits requests, as an eager prefill step
+                      costs more than a graph-replayed decode step (default 0)
 
 The vocabulary and eos ids follow the preset named by config.model when there is one; the
 generated ids avoid the eos ids (so ignore_eos or not, a request runs to max_tokens unless a
@@ -68,6 +70,7 @@ class SyntheticEngine:
         self.max_model_len = int(os.environ.get("SYNTH_MAX_MODEL_LEN") or config.max_model_len or 4096)
         rate = float(os.environ.get("SYNTH_STEPS_PER_S", "200"))
         self.period = 1.0 / rate if rate > 0 else 0.0
+        self.prefill_s = float(os.environ.get("SYNTH_PREFILL_MS", "0")) / 1e3
         self.max_num_seqs = int(config.max_num_seqs)
         self.device = "cpu"
         self.model_name = f"synthetic:{config.model}"
@@ -121,10 +124,15 @@ class SyntheticEngine:
             self._next_t = max(self._next_t + self.period, now)  # no catch-up bursts after a stall
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        admitted = False
         while self._waiting and len(self._running) < self.max_num_seqs:
             s = self._waiting.popleft()
             self._running[s.rid] = s
             self.num_prefill_tokens += s.n_prompt
+            admitted = True
+        if admitted and self.prefill_s:
+            time.sleep(self.prefill_s)
+            self._next_t = max(self._next_t, time.perf_counter())
         if self._running:
             self.num_steps += 1
         vocab = self.vocab_size
