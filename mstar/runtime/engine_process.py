@@ -276,8 +276,8 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._in_q = ctx.Queue()
         self._out_q = ctx.Queue()
-        self._proc = ctx.Process(target=engine_main,
-                                 args=(config, factory, self._in_q, self._out_q, logging.getLogger().getEffectiveLevel()),
+        level = logging.getLogger().getEffectiveLevel()
+        self._proc = ctx.Process(target=engine_main, args=(config, factory, self._in_q, self._out_q, level),
                                  name="mstar-engine", daemon=False)
         self.info: dict[str, Any] = {}
         self._reader: threading.Thread | None = None

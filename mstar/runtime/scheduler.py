@@ -25,9 +25,9 @@ are admitted only once a batch of them can be admitted together (that many rows 
 that many waiting), or once they have been held `admit_max_wait` steps. The batch is
 `admit_min_free`, or a quarter of the requests in the engine (running + waiting) if that is
 smaller: a server at low concurrency (8 requests in flight, max_num_seqs 256) admits a
-burst at once instead of holding it for rows it will never fill. Decode-only steps replay CUDA graphs
-and a step with prefill rows runs eagerly, so admitting the requests that finish a few at
-a time in one batch turns many small eager steps into a few large ones. Tokens do not
+burst at once instead of holding it for rows it will never fill. Decode-only steps replay
+CUDA graphs and a step with prefill rows runs eagerly, so admitting the requests that
+finish a few at a time in one batch turns many small eager steps into a few large ones. Tokens do not
 change (a row's tokens do not depend on its batch), only when prefills run.
 """
 

@@ -97,8 +97,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     e.add_argument("--admit-min-free", type=_nonneg_int, default=None,
                    help="While decodes run, admit new requests once this many can be admitted together (rows "
                         "free and requests waiting) or after 16 held steps, so prefills run in few large steps; "
-                        "default: max-num-seqs / 4 with decode graphs, else 0 (admit at once). The batch waited for is at most "
-                        "a quarter of the requests in the engine, so a burst at low concurrency goes in at once.")
+                        "default: max-num-seqs / 4 with decode graphs, else 0 (admit at once). The batch waited "
+                        "for is at most a quarter of the requests in the engine, so a burst at low concurrency "
+                        "goes in at once.")
     e.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],
                    help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
                         "tokens are read back (they feed the next step on the device). Greedy rows without "

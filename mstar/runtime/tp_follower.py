@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime import tp_allreduce
+from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device
 from mstar.runtime.tp_plan import rebuild, replay_ops
