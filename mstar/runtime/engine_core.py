@@ -167,13 +167,41 @@ class EngineCore:
             else:
                 from mstar.runtime.decode_overlap import DecodeOverlap
                 self.overlap = DecodeOverlap(self)
+        t_warm = time.perf_counter()
+        if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
+            self._warm_up()
+        t_warm = time.perf_counter() - t_warm
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
-        log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, decode graphs %.1f s",
-                 time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded, t_graphs - t_caches)
+        log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, decode graphs %.1f s, "
+                 "warm-up %.1f s", time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded,
+                 t_graphs - t_caches, t_warm)
         if self.tp is not None:
             self.tp.startup_done()  # tp > 1: ends the start-up timing (tp.py logs it)
+
+    def _warm_up(self) -> None:
+        """One short request (a prefill of a few pages, then decode steps) run to its end, then
+        every trace of it removed: its prefix-cache entries, the counters, the seed sequence of
+        requests without a seed. Later requests get the tokens they would get without it.
+        Encoder-decoder models (their requests need audio) are not warmed up."""
+        if self.has_cross:
+            return
+        n = max(1, min(4 * self.page_size, self.max_model_len - 4))
+        timer, self.phase_timer = self.phase_timer, None  # not a step of the engine's life
+        try:
+            self.add_request(EngineRequest("mstar-warm-up", [i % self.vocab_size for i in range(n)],
+                                           SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.phase_timer = timer
+        self.reset_prefix_cache()
+        self._seed_rng = random.Random(self.config.seed)
+        self._arrivals = 0
+        self.num_steps = self.num_generated_tokens = self.num_prefill_tokens = 0
+        if self.overlap is not None:
+            self.overlap.num_chained = 0
 
     def _decode_masters(self, config: EngineConfig, model, wants_graphs: bool, tokens: bool, rope: bool):
         """The master buffers of in-graph decode inputs (allocated before any capture), or None."""

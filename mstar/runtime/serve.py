@@ -109,6 +109,11 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="torch.compile the model's forward so Inductor fuses the code between mstar's ops: "
                         "on (every step), decode (only inside the decode graphs), off; auto: off until it "
                         "measures faster.")
+    e.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                   help="Run one short request at start-up, before the server reports ready, so that first-use "
+                        "kernel builds (FlashInfer's prefill JIT, fla's autotuning) do not land in the first "
+                        "request; it leaves no trace (prefix cache, counters, seeds). auto: on CUDA, for "
+                        "decoder-only models.")
     e.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="Advanced: build the engine with this callable(EngineConfig) instead of EngineCore "
                         "(it must offer the EngineCore API: add_request, abort, step, has_unfinished, stats).")
@@ -150,7 +155,8 @@ def engine_config(args: argparse.Namespace):
                         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,
                         decode_graphs=args.decode_graphs, max_graph_batch=args.max_graph_batch,
-                        compile=args.compile, admit_min_free=args.admit_min_free, async_output=args.async_output)
+                        compile=args.compile, admit_min_free=args.admit_min_free, async_output=args.async_output,
+                        warmup=args.warmup)
 
 
 def _setup_logging(level_name: str | None) -> None:

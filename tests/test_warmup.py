@@ -1,0 +1,54 @@
+"""Start-up warm-up (EngineConfig.warmup; "auto" = on CUDA): one short request run at start-up so
+that first-use kernel builds do not land in the first real request. It must leave no trace:
+later requests get the same tokens (greedy, seeded and unseeded sampling), the prefix cache is
+empty (the warm-up prompt is not a hit), the counters start at zero, nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import assert_no_leaks, engine, prompts, run_all
+from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
+from mstar.runtime.request import EngineRequest, SamplingParams
+
+
+def _reqs(ps):
+    out = []
+    for i, p in enumerate(ps):
+        if i % 3 == 0:
+            sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        elif i % 3 == 1:
+            sp = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+        else:
+            sp = SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True)  # the engine's seed sequence
+        out.append(EngineRequest(str(i), p, sp))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_warm_up_leaves_no_trace(kind):
+    ps = prompts(6, 3, 40, seed=21)
+    cold = engine(kind, page_size=4, warmup="off")
+    ref = run_all(cold, _reqs(ps))
+    warm = engine(kind, page_size=4, warmup="on")
+    assert warm.num_steps == 0 and warm.num_generated_tokens == 0 and warm.num_prefill_tokens == 0
+    assert warm.cm.stats().cached_pages == 0  # the warm-up prompt's pages are gone
+    n = 4 * warm.page_size
+    again = [EngineRequest("w", [i % warm.vocab_size for i in range(n)],
+                           SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
+    out = []
+    warm.add_request(again[0])
+    while warm.has_unfinished():
+        out += warm.step()
+    assert out[0].num_cached_tokens == 0  # not a prefix-cache hit on the warm-up prompt
+    warm.reset_prefix_cache()
+    fresh = engine(kind, page_size=4, warmup="on")
+    assert run_all(fresh, _reqs(ps)) == ref
+    assert_no_leaks(fresh)
+
+
+def test_warm_up_is_off_on_cpu_by_default_and_checks_its_value():
+    core = engine("qwen3", page_size=4)  # "auto": CUDA only
+    assert core.config.warmup == "auto" and core.num_steps == 0
+    with pytest.raises(ValueError, match="warmup"):
+        engine("qwen3", warmup="yes")
