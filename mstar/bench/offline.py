@@ -26,6 +26,7 @@ def _build(args, max_num_seqs: int) -> LLM:
     return LLM(args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
                max_num_seqs=max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
                enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, decode_graphs=args.decode_graphs,
+               prefill_graphs=args.prefill_graphs,
                compile=args.compile, max_num_batched_tokens=args.max_num_batched_tokens,
                async_output=args.async_output)
 
@@ -91,7 +92,7 @@ def _measure(args, llm: LLM, c: int, t_start: float) -> dict:
            "output_tok_s": out_tokens / dt, "elapsed_s": dt, "startup_s": round(t_run - t_start, 2),
            "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "decode_graphs": args.decode_graphs, "compile": args.compile, "async_output": args.async_output,
+           "decode_graphs": args.decode_graphs, "prefill_graphs": args.prefill_graphs, "compile": args.compile, "async_output": args.async_output,
            "one_engine": args.one_engine, "graph_capture_s": _capture_s(llm), "knobs": _set_knobs(),
            "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "backends": {e.name: e.selected(llm.engine.model.device.type) for e in __import__("mstar").ops.all_ops()}}
@@ -125,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "static"],
                     help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager; static: the graphs' "
                          "fixed buffers without capturing (any device)")
+    ap.add_argument("--prefill-graphs", default="off", choices=["auto", "off", "static"],
+                    help="auto: prefill / mixed steps replay piecewise CUDA graphs around the attention and GDN "
+                         "cores; static: the same segments without capturing (any device); off: the plain forward")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                     help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
     ap.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],

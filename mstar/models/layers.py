@@ -393,10 +393,15 @@ class QKNormAttention(nn.Module):
     def spec(self) -> AttentionLayerSpec:
         return AttentionLayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
-    def forward(self, ctx: ForwardContext, x: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
-        t = x.shape[0]
+    # The forward in three parts (runtime/prefill_graphs.py captures pre and post, row-wise, in
+    # CUDA graphs at padded token counts and runs core, which reads the step's metadata, eagerly).
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.qkv_proj(x),)
+
+    def core(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope: RotaryCache) -> torch.Tensor:
+        qkv, = pre
+        t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
         # q/k head norms and rotary in one op (one Triton kernel per q and k on CUDA)
         q, k, v = ops.qk_norm_rope(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
                                    hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
@@ -406,4 +411,14 @@ class QKNormAttention(nn.Module):
         if self.output_gate:
             gate = ops.split_qkv_heads(qkv, hq, hk, d, True)[3]
             o = o * torch.sigmoid(gate)
+        return o
+
+    def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o)
+
+    def core_width(self) -> int:
+        """Features per token of core's output (what post reads)."""
+        return self.num_heads * self.head_dim
+
+    def forward(self, ctx: ForwardContext, x: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        return self.post(self.core(ctx, self.pre(x), rope))

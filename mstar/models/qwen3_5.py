@@ -108,14 +108,28 @@ class GatedDeltaNet(nn.Module):
                              f"{tuple(conv_state.shape)} and {tuple(recurrent_state.shape)}")
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
+    # The forward in three parts (as QKNormAttention's; runtime/prefill_graphs.py): the input
+    # projections, the conv / recurrence over the state pools (reads the step's metadata), the
+    # output projection.
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.in_proj_qkv(x), self.in_proj_zba(x)  # [T, conv_dim], [T, value_dim + 2 Hv]
+
+    def post(self, o: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(o)
+
+    def core_width(self) -> int:
+        """Features per token of core's output (what post reads)."""
+        return self.value_dim
+
     def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
+        return self.post(self.core(ctx, self.pre(x)))
+
+    def core(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope=None) -> torch.Tensor:
+        mixed, zba = pre
+        t = mixed.shape[0]
         nd = ctx.num_decode_tokens
         md = ctx.state
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        zba = self.in_proj_zba(x)
         z = zba[:, :self.value_dim]
         b = zba[:, self.value_dim:self.value_dim + hv]
         a = zba[:, self.value_dim + hv:]
@@ -134,8 +148,8 @@ class GatedDeltaNet(nn.Module):
             outs.append(ops.gdn_prefill(q, k, v, g, beta, self.recurrent_state, md.prefill_cu_seqlens,
                                         md.prefill_slots, md.snap_token_idx, md.snap_slots, self.scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
-        o = self.norm(o.to(x.dtype), z.reshape(t, hv, dv))
-        return self.out_proj(o.reshape(t, self.value_dim))
+        o = self.norm(o.to(mixed.dtype), z.reshape(t, hv, dv))
+        return o.reshape(t, self.value_dim)
 
 
 class Qwen3_5ForCausalLM(DecoderLM):

@@ -59,6 +59,11 @@ class EngineConfig:
     # the forward the decode graphs capture: two compiles, b = 1 and b > 1), "off"; "auto" is off
     # until it measures faster (eager steps recompile per new 0/1-sized input: minutes on the H200)
     compile: str = "auto"
+    # prefill and mixed steps (prefill_graphs.py): "auto" replays piecewise CUDA graphs around the
+    # attention / GDN cores at padded token counts (CUDA, tp = 1, decoder-only models); "static"
+    # the same segments and padding without capturing (any device: CPU tests); "off" the plain
+    # forward. Off by default until the H200 measures it.
+    prefill_graphs: str = "off"
     # start-up warm-up (engine_core.py): one short prefill and decode before the engine reports
     # ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at
     # start-up and not inside the first request. "auto": on CUDA, for decoder-only models
@@ -102,6 +107,8 @@ class EngineConfig:
             self.async_output = "on" if self.async_output else "off"
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"async_output: must be 'auto', 'on' or 'off', got {self.async_output!r}")
+        if self.prefill_graphs not in ("auto", "off", "static"):
+            raise ValueError(f"prefill_graphs: must be 'auto', 'off' or 'static', got {self.prefill_graphs!r}")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup: must be 'auto', 'on' or 'off', got {self.warmup!r}")
         if self.decode_graphs not in ("auto", "off", "static"):

@@ -138,6 +138,7 @@ class EngineCore:
         self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
         t_caches = time.perf_counter()
         self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
+        self.prefill_graphs = self._prefill_graphs(config)  # None: prefill and mixed steps run the forward
         t_graphs = time.perf_counter()
         if self.graphs is None:
             self.masters = None  # nothing reads them
@@ -174,11 +175,26 @@ class EngineCore:
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
-        log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, decode graphs %.1f s, "
+        log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, graphs %.1f s, "
                  "warm-up %.1f s", time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded,
                  t_graphs - t_caches, t_warm)
         if self.tp is not None:
             self.tp.startup_done()  # tp > 1: ends the start-up timing (tp.py logs it)
+
+    def _prefill_graphs(self, config: EngineConfig):
+        mode = config.prefill_graphs
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        from mstar.runtime.prefill_graphs import PrefillGraphRunner, supported
+        why = supported(self.model)
+        if why is None and config.compile == "on":
+            why = "the forward is compiled (--compile on)"
+        if why is not None:
+            log.warning("prefill graphs are off: %s", why)
+            return None
+        return PrefillGraphRunner(self.model, device=self.device, dtype=self.dtype,
+                                  max_tokens=config.resolve_max_num_batched_tokens(self.device),
+                                  capture=mode == "auto")
 
     def _warm_up(self) -> None:
         """One short request (a prefill of a few pages, then decode steps) run to its end, then
@@ -396,7 +412,11 @@ class EngineCore:
             ctx, n_sample = self.inputs.build(rows)
             if pt is not None:
                 pt.before_forward()
-            hidden = self.forward(ctx)
+            pg = self.prefill_graphs
+            if pg is not None and pg.fits(ctx.input_ids.shape[0]):
+                hidden = pg.run(ctx)
+            else:
+                hidden = self.forward(ctx)
             if n_sample:
                 hidden = hidden[ctx.logits_indices]
         if pt is not None:

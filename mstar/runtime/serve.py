@@ -91,6 +91,10 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     e.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
                    help="auto: decode-only steps replay CUDA graphs captured at start-up (CUDA; every rank at --tp N); "
                         "off: every step runs eagerly.")
+    e.add_argument("--prefill-graphs", default="off", choices=["auto", "off"],
+                   help="auto: prefill and mixed steps replay piecewise CUDA graphs (everything but the attention "
+                        "and GDN cores, captured at padded token counts up to --max-num-batched-tokens; CUDA, "
+                        "--tp 1); off: they run the plain forward. Off until the H200 measures it.")
     e.add_argument("--max-graph-batch", type=_positive_int, default=256,
                    help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
                         "decode steps run eagerly.")
@@ -155,6 +159,7 @@ def engine_config(args: argparse.Namespace):
                         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,
                         decode_graphs=args.decode_graphs, max_graph_batch=args.max_graph_batch,
+                        prefill_graphs=args.prefill_graphs,
                         compile=args.compile, admit_min_free=args.admit_min_free, async_output=args.async_output,
                         warmup=args.warmup)
 
