@@ -61,6 +61,19 @@ def test_prefill_graphs_refuse_what_they_cannot_cut(caplog):
         EngineCore(EngineConfig(model=model_dir("qwen3"), prefill_graphs="yes", device="cpu"))
 
 
+def test_static_prefill_graphs_at_tp2():
+    """tp = 2 over gloo: both ranks run the segments at the same padded size (their all-reduces
+    pair up); tokens equal the tp = 1 plain forward's."""
+    from tests.test_tp import PS, _closed_cleanly, _engine, _greedy
+    ref = _greedy(_engine("qwen3.5", 1, max_num_seqs=4, max_num_batched_tokens=32), PS, 12)
+    core = _engine("qwen3.5", 2, max_num_seqs=4, max_num_batched_tokens=32, prefill_graphs="static")
+    try:
+        assert core.prefill_graphs is not None and core.prefill_graphs.sizes == [16, 32]
+        assert _greedy(core, PS, 12) == ref
+    finally:
+        _closed_cleanly(core)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
@@ -74,3 +87,24 @@ def test_cuda_prefill_graphs_match_the_forward(kind):
     assert core.prefill_graphs is not None and core.prefill_graphs.graphs
     assert run_all(core, _reqs(ps, shared)) == ref
     assert_no_leaks(core)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_prefill_graphs_at_tp2():
+    """NCCL: both ranks capture the segments (all-reduces inside) and replay them in step."""
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    from tests.test_tp import PS, _closed_cleanly, _greedy
+    opts = dict(model="tiny-qwen3", random_weights=True, device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
+                max_model_len=256, max_num_batched_tokens=128)
+    ps = [[t % 259 for t in p] for p in PS]
+    outs = []
+    for mode in ("off", "auto"):
+        core = EngineCore(EngineConfig(prefill_graphs=mode, **opts))
+        try:
+            assert (core.prefill_graphs is not None and bool(core.prefill_graphs.graphs)) == (mode == "auto")
+            outs.append(_greedy(core, ps, 16))
+        finally:
+            _closed_cleanly(core)
+    assert outs[0] == outs[1]

@@ -60,7 +60,7 @@ class EngineConfig:
     # until it measures faster (eager steps recompile per new 0/1-sized input: minutes on the H200)
     compile: str = "auto"
     # prefill and mixed steps (prefill_graphs.py): "auto" replays piecewise CUDA graphs around the
-    # attention / GDN cores at padded token counts (CUDA, tp = 1, decoder-only models); "static"
+    # attention / GDN cores at padded token counts (CUDA, decoder-only models, every rank); "static"
     # the same segments and padding without capturing (any device: CPU tests); "off" the plain
     # forward. Off by default until the H200 measures it.
     prefill_graphs: str = "off"

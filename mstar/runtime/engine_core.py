@@ -192,6 +192,8 @@ class EngineCore:
         if why is not None:
             log.warning("prefill graphs are off: %s", why)
             return None
+        if self.tp is not None:
+            self.tp.start_prefill_graphs(capture=mode == "auto")
         return PrefillGraphRunner(self.model, device=self.device, dtype=self.dtype,
                                   max_tokens=config.resolve_max_num_batched_tokens(self.device),
                                   capture=mode == "auto")

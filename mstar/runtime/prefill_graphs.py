@@ -19,8 +19,10 @@ buffer the next segment reads. Rows T..n are padding: whatever they hold, they s
 rows and are never read back.
 
 "static" runs the same segments eagerly on the same buffers and padding (any device): how CPU
-tests check the cut against the plain forward. Tensor parallel (the followers would have to
-replay the same graphs) and encoder-decoder models are not supported.
+tests check the cut against the plain forward. Tensor parallel: every rank builds the runner (and
+captures it at the same time: the row-parallel all-reduces inside the segments pair up) and runs
+a step through it when rank 0 does (the same token count picks the same bucket everywhere).
+Encoder-decoder models are not supported.
 """
 
 from __future__ import annotations
@@ -55,8 +57,6 @@ def supported(model) -> str | None:
         m = layer.mixer
         if not all(hasattr(m, a) for a in ("pre", "core", "post", "core_width")):
             return f"{type(m).__name__} has no pre / core / post"
-    if getattr(model, "tp_size", 1) != 1:
-        return "tensor parallel"
     return None
 
 

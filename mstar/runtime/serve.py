@@ -93,8 +93,8 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                         "off: every step runs eagerly.")
     e.add_argument("--prefill-graphs", default="off", choices=["auto", "off"],
                    help="auto: prefill and mixed steps replay piecewise CUDA graphs (everything but the attention "
-                        "and GDN cores, captured at padded token counts up to --max-num-batched-tokens; CUDA, "
-                        "--tp 1); off: they run the plain forward. Off until the H200 measures it.")
+                        "and GDN cores, captured at padded token counts up to --max-num-batched-tokens; CUDA, every "
+                        "rank at --tp N); off: they run the plain forward. Off until the H200 measures it.")
     e.add_argument("--max-graph-batch", type=_positive_int, default=256,
                    help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
                         "decode steps run eagerly.")

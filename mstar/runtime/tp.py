@@ -263,6 +263,12 @@ class TensorParallel:
         self._t_graphs = now()
         self._send(("graphs", params))
 
+    def start_prefill_graphs(self, capture: bool) -> None:
+        """Followers build the same PrefillGraphRunner (capturing it with rank 0 when capture is
+        set: the segments' all-reduces must pair up) and run their eager steps through it, as
+        rank 0 does: both pick it by the step's token count. Call right before rank 0 builds its own."""
+        self._send(("pgraphs", capture))
+
     def send_graph_step(self, rows) -> None:
         """A graph-replayed decode step: the rows (followers fill their own fixed buffers)."""
         self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), False))

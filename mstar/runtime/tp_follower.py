@@ -148,6 +148,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
         results.put((rank, "startup", {"phases": dict(ph), "extra": dict(extra)}))
 
     clock = time.perf_counter
+    pgraphs = None  # prefill graphs (prefill_graphs.py), when rank 0 uses them
     with torch.inference_mode():
         while True:
             t0 = clock()
@@ -159,6 +160,11 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
             msg = pickle.loads(data)
             if msg[0] == "shutdown":
                 break
+            if msg[0] == "pgraphs":  # the prefill graphs, built (and captured) with rank 0
+                from mstar.runtime.prefill_graphs import PrefillGraphRunner
+                pgraphs = PrefillGraphRunner(model, device=device, dtype=dtype, capture=msg[1],
+                                             max_tokens=config.resolve_max_num_batched_tokens(device))
+                continue
             if msg[0] == "graphs":  # capture the decode graphs with rank 0
                 from mstar.runtime.cuda_graphs import DecodeGraphRunner
                 tg = now()
@@ -196,7 +202,10 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
                 bufs = [unpack._to_device(a) for a in arrays]
                 ctx = rebuild(lay, bufs, device)
                 t2 = clock()
-                hidden = forward(ctx)
+                if pgraphs is not None and pgraphs.fits(ctx.input_ids.shape[0]):
+                    hidden = pgraphs.run(ctx)
+                else:
+                    hidden = forward(ctx)
                 if n_sample:
                     model.compute_logits(hidden[ctx.logits_indices])
                 s_wait(t1 - t0)
