@@ -52,3 +52,18 @@ def test_warm_up_is_off_on_cpu_by_default_and_checks_its_value():
     assert core.config.warmup == "auto" and core.num_steps == 0
     with pytest.raises(ValueError, match="warmup"):
         engine("qwen3", warmup="yes")
+
+
+def test_warm_up_that_is_refused_is_skipped(caplog, monkeypatch):
+    """If the warm-up request is refused (RequestError), the engine starts cold instead of failing."""
+    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.request import RequestError
+
+    def refuse(self, req):
+        raise RequestError("prompt", "refused for the test")
+    monkeypatch.setattr(EngineCore, "add_request", refuse)
+    core = engine("qwen3", page_size=4, warmup="on")
+    assert any("warm-up skipped" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert core.num_steps == 0 and not core.has_unfinished()
+    assert_no_leaks(core)
