@@ -88,12 +88,14 @@ def test_symm_mem_declines_what_the_kernel_cannot_take():
 def test_tp2_symm_mem_all_reduce_matches_nccl(monkeypatch):
     """tp=2 with decode graphs and overlapped decode: the one-shot all-reduce on symmetric
     memory gives the NCCL engine's tokens. Run on the two-GPU host (multicast stays off)."""
+    from engine_helpers import model_dir
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
     from tests.test_tp import PS, _closed_cleanly, _greedy
-    opts = dict(model="tiny-qwen3", random_weights=True, device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
+    # the 0.6B preset's head shapes: the carried kernel cache holds their attention kernels
+    opts = dict(model=model_dir("qwen3-gpu"), device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                 max_model_len=256)
-    ps = [[t % 259 for t in p] for p in PS]
+    ps = PS
     outs = []
     for mode in ("nccl", "symm_mem"):
         monkeypatch.setenv("MSTAR_TP_ALLREDUCE", mode)  # the followers read it from their environment
