@@ -112,3 +112,38 @@ def test_fla_prefill_plan_is_built_once_per_step(fla_backend, monkeypatch):
     assert len(built) == 2
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+
+def test_fla_plan_in_the_engine_matches_the_reference(fla_backend, monkeypatch):
+    """The engine's own steps through the fla backend (its stand-in, selected on CPU): every GDN
+    layer of a step shares the step's metadata tensors, so one plan serves them all, and a new
+    step builds a new one. Tokens equal the reference backend's, with chunked prompts, decode rows
+    beside prefill chunks and prefix-cache snapshots."""
+    from engine_helpers import engine, prompts, run_all
+    from mstar import knobs
+    from mstar.ops.registry import Backend
+    from mstar.runtime.request import EngineRequest, SamplingParams
+    fla = gdn.gdn_prefill.backends["fla"]
+    gdn.gdn_prefill.backends["fla"] = Backend("fla", fla.fn, ("cpu",), lambda: True, fla.priority, fla.note)
+    gdn.gdn_prefill._resolved.clear()
+    built = []
+    real = fla_backend._build_plan
+    monkeypatch.setattr(fla_backend, "_build_plan", lambda *a: built.append(1) or real(*a))
+    ps = prompts(6, 3, 50, seed=41)
+    shared = prompts(1, 16, 16, seed=42)[0]
+    reqs = lambda: [EngineRequest(str(i), (shared if i % 2 else []) + p,  # noqa: E731
+                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                    for i, p in enumerate(ps)]
+    opts = dict(page_size=4, max_num_seqs=3, max_num_batched_tokens=40)
+    with knobs.override(MSTAR_BACKENDS="gdn_prefill=reference"):
+        ref_core = engine("qwen3.5", **opts)
+        ref = run_all(ref_core, reqs())
+    with knobs.override(MSTAR_BACKENDS="gdn_prefill=fla"):
+        core = engine("qwen3.5", **opts)
+        steps = []
+        step = core.step
+        monkeypatch.setattr(core, "step", lambda: steps.append(1) or step())
+        got = run_all(core, reqs())
+    assert got == ref
+    n_gdn = len(core.model.state_layers)
+    assert n_gdn > 1 and 0 < len(built) <= len(steps)  # one plan per prefill step, not one per layer
