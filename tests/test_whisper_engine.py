@@ -245,3 +245,21 @@ def test_cache_manager_cross_slots():
     cm.check()
     with pytest.raises(ValueError, match="num_cross_slots"):
         CacheManager(spec, num_pages=4, page_size=4, num_slots=0, dtype=torch.float32, device="cpu")
+
+
+def test_warm_up_transcribes_silence_and_leaves_no_trace(model_and_tok, waves, monkeypatch):
+    """Whisper's start-up warm-up (one second of silence): later transcriptions equal a cold
+    engine's, and every cross slot, page and counter is back where it was."""
+    from mstar.runtime.engine_core import EngineCore
+    tok = WhisperTokens.from_vocab_size(model_and_tok[0].config.vocab_size)
+    prompt = tok.decoder_prompt("en", "transcribe")
+    reqs = lambda: {0: [EngineRequest(str(i), prompt, forced(), audio=w) for i, w in enumerate(waves)]}  # noqa: E731
+    cold = run(make_engine(model_and_tok, warmup="off"), reqs())
+    steps, step = [], EngineCore.step
+    monkeypatch.setattr(EngineCore, "step", lambda self: steps.append(1) or step(self))
+    core = make_engine(model_and_tok, warmup="on")
+    monkeypatch.undo()
+    assert len(steps) >= 2  # the warm-up ran: encoder + prefill, then decode
+    assert core.num_steps == 0 and core.cm.stats().cached_pages == 0
+    assert run(core, reqs()) == cold
+    assert_no_leaks(core)

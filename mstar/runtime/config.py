@@ -66,7 +66,7 @@ class EngineConfig:
     prefill_graphs: str = "off"
     # start-up warm-up (engine_core.py): one short prefill and decode before the engine reports
     # ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at
-    # start-up and not inside the first request. "auto": on CUDA, for decoder-only models
+    # start-up and not inside the first request (Whisper: one second of silence). "auto": on CUDA
     warmup: str = "auto"
 
     def __post_init__(self):

@@ -202,14 +202,21 @@ class EngineCore:
         """One short request (a prefill of a few pages, then decode steps) run to its end, then
         every trace of it removed: its prefix-cache entries, the counters, the seed sequence of
         requests without a seed. Later requests get the tokens they would get without it.
-        Encoder-decoder models (their requests need audio) are not warmed up."""
+        Encoder-decoder models (Whisper) transcribe one second of silence."""
+        audio = None
         if self.has_cross:
-            return
-        n = max(1, min(4 * self.page_size, self.max_model_len - 4))
+            import numpy as np
+
+            from mstar.models.whisper_tokens import WhisperTokens
+            prompt = WhisperTokens.from_vocab_size(self.vocab_size).decoder_prompt("en", "transcribe")
+            audio = np.zeros(16000, dtype=np.float32)
+        else:
+            prompt = [i % self.vocab_size for i in range(max(1, min(4 * self.page_size, self.max_model_len - 4)))]
         timer, self.phase_timer = self.phase_timer, None  # not a step of the engine's life
         try:
-            self.add_request(EngineRequest("mstar-warm-up", [i % self.vocab_size for i in range(n)],
-                                           SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+            self.add_request(EngineRequest("mstar-warm-up", prompt,
+                                           SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                           audio=audio))
             while self.has_unfinished():
                 self.step()
         except RequestError as e:  # a pool too small for it (tests): start cold rather than not at all

@@ -116,8 +116,8 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     e.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
                    help="Run one short request at start-up, before the server reports ready, so that first-use "
                         "kernel builds (FlashInfer's prefill JIT, fla's autotuning) do not land in the first "
-                        "request; it leaves no trace (prefix cache, counters, seeds). auto: on CUDA, for "
-                        "decoder-only models.")
+                        "request (Whisper: one second of silence); it leaves no trace (prefix cache, counters, seeds). "
+                        "auto: on CUDA.")
     e.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="Advanced: build the engine with this callable(EngineConfig) instead of EngineCore "
                         "(it must offer the EngineCore API: add_request, abort, step, has_unfinished, stats).")
