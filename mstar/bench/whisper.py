@@ -252,23 +252,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Start `python -m mstar.runtime.serve --model MODEL` here (random weights for a preset).")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="With --launch: the rest of the command line goes to the server.")
-    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="With --launch: seconds to wait for the server to report ready (its start-up warm-up "
+                        "runs the first-use kernel builds before it does).")
     p.add_argument("--model", default="whisper-large-v3", help="Served model name (or preset / dir with --launch).")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--api-key", default=None, help="Bearer token for a server started with --api-key.")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
+                   help="Closed-loop concurrency levels (BENCH.md: 1 4 16).")
     p.add_argument("--num-requests", type=int, default=64, help="Timed requests per concurrency level.")
     p.add_argument("--num-warmup", type=int, default=None, help="Untimed requests first (default: c).")
-    p.add_argument("--clip-seconds", type=float, default=10.0)
+    p.add_argument("--clip-seconds", type=float, default=10.0, help="Length of each synthetic 16 kHz clip.")
     p.add_argument("--output-len", type=int, default=32, help="Output tokens per request (EOS ignored).")
-    p.add_argument("--language", default="en")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--language", default="en", help="The `language` field of every request.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic clips.")
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout (s).")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size to record (with --launch pass --tp in --server-args).")
     p.add_argument("--gpu", default=None, help="GPU name to record (default: the server's /health).")
-    p.add_argument("--label", default=None)
-    p.add_argument("--bench-name", default="whisper")
-    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"))
-    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--label", default=None, help="Free-form label stored in the records.")
+    p.add_argument("--bench-name", default="whisper", help="Records go to RESULTS_DIR/<bench-name>.jsonl.")
+    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"),
+                   help="Where the records are appended.")
+    p.add_argument("--no-record", action="store_true", help="Print only; append no record.")
     p.add_argument("--json", action="store_true", help="Also print the records as JSON lines.")
     return p
 
