@@ -33,45 +33,40 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+# Per kind: the shapes that differ. "-gpu" kinds (GPU tests) have the per-head shapes of the
+# 0.8B / 0.6B presets (attention head_dim 256 / 128; GDN 16 x 128 heads, conv width 6144) in a
+# small model, so that FlashInfer's and fla's kernels are the ones a carried kernel cache already
+# holds (no minutes of first-use builds).
+_SHAPES = {
+    "qwen3.5": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, partial_rotary_factor=0.5),
+    "qwen3.5-gpu": dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                        linear_value_head_dim=128, partial_rotary_factor=0.25),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3-gpu": dict(hidden_size=256, intermediate_size=512, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=128),
+}
+
+
 def _config(kind: str):
-    if kind == "qwen3.5":
+    if kind not in _SHAPES:
+        raise ValueError(kind)
+    shape = dict(_SHAPES[kind])
+    common = dict(vocab_size=VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  eos_token_id=EOS)
+    if kind.startswith("qwen3.5"):
         from transformers import Qwen3_5TextConfig
+        rope = {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": shape.pop("partial_rotary_factor")}
         return Qwen3_5TextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
+            num_hidden_layers=4, linear_conv_kernel_dim=4, rope_parameters=rope,
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
-    if kind == "qwen3":
-        from transformers import Qwen3Config
-        return Qwen3Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
-    # GPU tests: the per-head shapes of the 0.8B / 0.6B presets (attention head_dim 256 / 128, GDN
-    # 16 x 128 heads, conv width 6144) in a small model, so that FlashInfer's and fla's kernels
-    # are the ones a carried kernel cache already holds (no minutes of first-use builds)
-    if kind == "qwen3.5-gpu":
-        from transformers import Qwen3_5TextConfig
-        return Qwen3_5TextConfig(
-            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-            linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
-    if kind == "qwen3-gpu":
-        from transformers import Qwen3Config
-        return Qwen3Config(
-            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=EOS)
-    raise ValueError(kind)
+            **shape, **common)
+    from transformers import Qwen3Config
+    return Qwen3Config(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       **shape, **common)
 
 
 @functools.lru_cache(maxsize=None)
