@@ -125,15 +125,17 @@ def test_compiled_forward_with_static_graph_path_matches_hf(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-@pytest.mark.parametrize("model", ["tiny-qwen3.5", "tiny-qwen3"])
+@pytest.mark.parametrize("kind", ["qwen3.5-gpu", "qwen3-gpu"])  # the presets' head shapes: cached kernels
 @pytest.mark.parametrize("compile", ["off", "decode", "on"])
-def test_cuda_graph_decode_matches_eager(model, compile):
+def test_cuda_graph_decode_matches_eager(kind, compile):
+    from engine_helpers import model_dir
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
-    ps = [[t % 259 for t in p] for p in prompts(13, 3, 60, seed=3)]  # the tiny presets' vocab
+    ps = prompts(13, 3, 60, seed=3)
     reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(ps)]
-    opts = dict(model=model, device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16, max_model_len=256)
+    opts = dict(model=model_dir(kind), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16,
+                max_model_len=256)
     g = EngineCore(EngineConfig(compile=compile, **opts))
     assert g.graphs is not None and g.graphs.graphs, "graphs were not captured"
     got = run_all(g, reqs())
@@ -151,13 +153,15 @@ def test_cuda_graph_decode_matches_eager(model, compile):
 def test_cuda_graph_decode_knobs_match_eager(knob_set, caplog):
     """The reference system's knobs under real capture (overlapped decode on: the default with
     graphs): tokens equal the eager knobs-off engine's; plan cache mode 2 logs no difference."""
+    from engine_helpers import model_dir
     from mstar import knobs
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
-    ps = [[t % 259 for t in p] for p in prompts(13, 3, 60, seed=5)]
+    ps = prompts(13, 3, 60, seed=5)
     reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
                     for i, p in enumerate(ps)]
-    opts = dict(model="tiny-qwen3.5", device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=256)
+    opts = dict(model=model_dir("qwen3.5-gpu"), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8,
+                max_model_len=256)
     ref = run_all(EngineCore(EngineConfig(decode_graphs="off", **opts)), reqs())
     with knobs.override(**knob_set):
         g = EngineCore(EngineConfig(**opts))
