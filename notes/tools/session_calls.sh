@@ -23,7 +23,7 @@ case "${1:-}" in
   check)
     run "tests:200:python3 -m pytest -m gpu -q tests/test_ops_conv1d_prefill_triton.py tests/test_prefill_graphs.py \
 tests/test_gpu_backends.py tests/test_gpu_sampling.py tests/test_decode_graphs.py \
--k 'conv or paged_attention or noisy or planned_path or knobs or matches_eager or forward'" \
+-k 'conv or paged_attention or noisy or planned_path or knobs or (matches_eager and off) or forward'" \
         "profile:70:python3 notes/tools/profile_step.py --model qwen3.5-0.8b --rows 8 --prompt-len 256" \
         "serve08:120:$(serve qwen3.5-0.8b 8001 8 32 64 128 1)" \
         "serve08pg:110:SERVER_ARGS='--prefill-graphs auto' BENCH_ARGS='--label prefill-graphs' $(serve qwen3.5-0.8b 8002 8 32 128)"
