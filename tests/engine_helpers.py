@@ -129,6 +129,15 @@ def llm(kind: str, **opts):
     return LLM(model_dir(kind), **opts)
 
 
+def greedy_requests(ps, max_tokens, prefix: str = "") -> list:
+    """EngineRequests "<prefix>i" for prompts ps, greedy, EOS ignored; max_tokens: an int, or a
+    function of the index i."""
+    from mstar.runtime.request import EngineRequest, SamplingParams
+    n = max_tokens if callable(max_tokens) else (lambda i: max_tokens)
+    return [EngineRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=n(i), temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(ps)]
+
+
 def run_all(core, reqs) -> dict:
     """Add EngineRequests, step to the end; {request_id: (token ids, finish_reason)}."""
     for r in reqs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts, run_all
+from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.runtime.cuda_graphs import capture_sizes
 from mstar.runtime.request import EngineRequest, SamplingParams
@@ -30,8 +30,7 @@ def test_capture_sizes():
 def test_static_graph_decode_matches_eager_and_hf(kind):
     ps = prompts(11, 3, 40, seed=31)
     # different max_tokens: the batch shrinks through several captured sizes
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=12 + 2 * i, temperature=0.0, ignore_eos=True))  # noqa: E731
-                    for i, p in enumerate(ps)]
+    reqs = lambda: greedy_requests(ps, lambda i: 12 + 2 * i)  # noqa: E731
     core = engine(kind, page_size=4, max_num_seqs=16, max_graph_batch=16, decode_graphs="static")
     assert core.graphs is not None and core.graphs.sizes == [1, 2, 4, 8, 16]
     calls = []
@@ -95,8 +94,7 @@ def test_larger_batches_than_captured_run_eagerly():
     core = engine("qwen3", page_size=4, max_num_seqs=8, max_graph_batch=2, decode_graphs="static")
     assert core.graphs.sizes == [1, 2]
     ps = prompts(5, 3, 12, seed=5)
-    got = run_all(core, [EngineRequest(str(i), p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-                         for i, p in enumerate(ps)])
+    got = run_all(core, greedy_requests(ps, 5))
     for i, p in enumerate(ps):
         assert got[str(i)][0] == hf_greedy("qwen3", p, 5)
     assert_no_leaks(core)
@@ -110,8 +108,7 @@ def test_compiled_forward_with_static_graph_path_matches_hf(mode):
     ("on") or the eager one ("decode")."""
     ps = prompts(5, 3, 30, seed=8)
     core = engine("qwen3.5", page_size=4, max_num_seqs=8, decode_graphs="static", compile=mode, admit_min_free=0)
-    got = run_all(core, [EngineRequest(str(i), p, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
-                         for i, p in enumerate(ps)])
+    got = run_all(core, greedy_requests(ps, lambda i: 8 + i))
     for i, p in enumerate(ps):
         assert got[str(i)][0] == hf_greedy("qwen3.5", p, 8 + i)
     compiled = core._graph_forward
@@ -132,8 +129,7 @@ def test_cuda_graph_decode_matches_eager(kind, compile):
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
     ps = prompts(13, 3, 60, seed=3)
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))  # noqa: E731
-                    for i, p in enumerate(ps)]
+    reqs = lambda: greedy_requests(ps, 24)  # noqa: E731
     opts = dict(model=model_dir(kind), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16,
                 max_model_len=256)
     g = EngineCore(EngineConfig(compile=compile, **opts))
@@ -158,8 +154,7 @@ def test_cuda_graph_decode_knobs_match_eager(knob_set, caplog):
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
     ps = prompts(13, 3, 60, seed=5)
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
-                    for i, p in enumerate(ps)]
+    reqs = lambda: greedy_requests(ps, 40)  # noqa: E731
     opts = dict(model=model_dir("qwen3.5-gpu"), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8,
                 max_model_len=256)
     ref = run_all(EngineCore(EngineConfig(decode_graphs="off", **opts)), reqs())
@@ -175,8 +170,7 @@ def test_admission_batching_groups_prefills_and_keeps_tokens():
     """admit_min_free: while decodes run, waiting requests are admitted once enough rows are
     free (or after admit_max_wait held steps); tokens equal those of admitting at once."""
     ps = prompts(12, 3, 20, seed=4)
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=4 + (i % 4) * 3, temperature=0.0,  # noqa: E731
-                                                            ignore_eos=True)) for i, p in enumerate(ps)]
+    reqs = lambda: greedy_requests(ps, lambda i: 4 + (i % 4) * 3)  # noqa: E731
 
     def run(**kw):
         core = engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static", **kw)
@@ -251,8 +245,7 @@ def test_overlapped_decode_matches_synchronous(kind):
     tokens found late drop the chained step's token, aborts in flight leak nothing."""
     ps = prompts(10, 3, 30, seed=12)
     ref_core = engine(kind, page_size=4, max_num_seqs=6, decode_graphs="static")
-    ref = run_all(ref_core, [EngineRequest(str(i), p, SamplingParams(max_tokens=10 + i, temperature=0.0,
-                                                                     ignore_eos=True)) for i, p in enumerate(ps)])
+    ref = run_all(ref_core, greedy_requests(ps, lambda i: 10 + i))
     # stop on a token the reference produced mid-way (found only after the next step launched)
     stop_tok = ref["3"][0][4]
     params = lambda i: SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True,  # noqa: E731

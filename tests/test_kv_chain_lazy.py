@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts
+from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
 from mstar.models.context import AttentionLayerSpec, CacheSpec, StateLayerSpec
@@ -257,8 +257,7 @@ def test_engine_tokens_and_follow_up_hits_equal_n1(kind):
 @pytest.mark.parametrize("mode", ["recompute", "offload"])
 def test_engine_preempted_requests_have_their_pages_registered(kind, mode):
     ps_ = prompts(6, 5, 14, seed=41)
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=30 + 3 * i, temperature=0.0,  # noqa: E731
-                                                            ignore_eos=True)) for i, p in enumerate(ps_)]
+    reqs = lambda: greedy_requests(ps_, lambda i: 30 + 3 * i)  # noqa: E731
     results = {}
     for n in (1, 3, 7):
         core = _engine(kind, n, max_num_seqs=6, num_pages=36, preemption_mode=mode, decode_graphs="static",

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts, run_all
+from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
-from mstar.runtime.request import EngineRequest, SamplingParams
 from mstar.runtime.step_inputs import PinnedRing
 
 
@@ -91,8 +90,7 @@ def test_ring_outputs_do_not_alias_the_slots():
 @pytest.mark.parametrize("graphs", ["off", "static"])
 def test_tokens_equal_with_the_ring(kind, graphs):
     ps = prompts(7, 3, 60, seed=17)
-    reqs = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=6 + 3 * i, temperature=0.0,  # noqa: E731
-                                                            ignore_eos=True)) for i, p in enumerate(ps)]
+    reqs = lambda: greedy_requests(ps, lambda i: 6 + 3 * i)  # noqa: E731
     opts = dict(page_size=4, max_num_seqs=4, decode_graphs=graphs, max_num_batched_tokens=48, admit_min_free=0)
     off = engine(kind, **opts)
     assert off.inputs._ring is None
