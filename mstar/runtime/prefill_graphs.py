@@ -62,7 +62,6 @@ def supported(model) -> str | None:
 
 class PrefillGraphRunner:
     def __init__(self, model, *, device: torch.device, dtype: torch.dtype, max_tokens: int, capture: bool):
-        self.model = model
         tm = model.model
         self.embed, self.norm, self.rope = tm.embed_tokens, tm.norm, model.rope
         self.layers = list(tm.layers)
@@ -73,24 +72,22 @@ class PrefillGraphRunner:
         self.ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=self.device)
         self.out = torch.zeros(n, hidden, dtype=dtype, device=self.device)
-        # pre / core output buffers, shared by the layers of one kind (widths from one row)
-        self._pre: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        self._core: dict[int, torch.Tensor] = {}
+        # pre / core output buffers per layer, one set shared by the layers of one shape (from one row)
+        pre_bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        core_bufs: dict[int, torch.Tensor] = {}
         self.layer_pre: list[tuple[torch.Tensor, ...]] = []
         self.layer_core: list[torch.Tensor] = []
         probe = torch.zeros(1, hidden, dtype=dtype, device=self.device)
         with torch.inference_mode():
             for layer in self.layers:
-                m = layer.mixer
-                key = tuple((tuple(t.shape[1:]), t.dtype) for t in m.pre(probe))
-                if key not in self._pre:
-                    self._pre[key] = tuple(torch.zeros((n,) + shape, dtype=dt, device=self.device)
-                                           for shape, dt in key)
-                self.layer_pre.append(self._pre[key])
-                w = int(m.core_width())
-                if w not in self._core:
-                    self._core[w] = torch.zeros(n, w, dtype=dtype, device=self.device)
-                self.layer_core.append(self._core[w])
+                key = tuple((tuple(t.shape[1:]), t.dtype) for t in layer.mixer.pre(probe))
+                if key not in pre_bufs:
+                    pre_bufs[key] = tuple(torch.zeros((n,) + shape, dtype=dt, device=self.device) for shape, dt in key)
+                self.layer_pre.append(pre_bufs[key])
+                w = int(layer.mixer.core_width())
+                if w not in core_bufs:
+                    core_bufs[w] = torch.zeros(n, w, dtype=dtype, device=self.device)
+                self.layer_core.append(core_bufs[w])
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_s = 0.0
         self.graph_bytes = 0
@@ -168,7 +165,7 @@ class PrefillGraphRunner:
             else:
                 graphs[k].replay()
             pre = tuple(b[:t] for b in self.layer_pre[k])
-            o = layer.mixer.core(ctx, pre, rope) if layer.uses_rope else layer.mixer.core(ctx, pre)
+            o = layer.mixer.core(ctx, pre, rope)  # (GDN's core takes the rope and ignores it)
             self.layer_core[k][:t].copy_(o)
         if graphs is None:
             self._segment(len(self.layers), n)
