@@ -27,6 +27,7 @@ Encoder-decoder models are not supported.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -146,10 +147,10 @@ class PrefillGraphRunner:
         return 0 < num_tokens <= self.max_tokens
 
     def bucket(self, num_tokens: int) -> int:
-        for n in self.sizes:
-            if n >= num_tokens:
-                return n
-        raise ValueError(f"prefill graphs: {num_tokens} tokens exceed the largest bucket {self.max_tokens}")
+        """The padded token count a step of num_tokens tokens runs at (as DecodeGraphRunner.bucket)."""
+        if not self.fits(num_tokens):
+            raise ValueError(f"prefill graphs: {num_tokens} tokens, the buckets hold 1..{self.max_tokens}")
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def run(self, ctx) -> torch.Tensor:
         """The forward of the step described by ctx: final-norm hidden states [T, hidden] (a view
