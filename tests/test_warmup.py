@@ -67,3 +67,25 @@ def test_warm_up_that_is_refused_is_skipped(caplog, monkeypatch):
     monkeypatch.undo()
     assert core.num_steps == 0 and not core.has_unfinished()
     assert_no_leaks(core)
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
+def test_warm_up_covers_one_row_and_a_ragged_multi_row_prefill(kind, monkeypatch):
+    """Kernels compile a variant per shape class (Triton: integers == 1 or % 16; FlashInfer and
+    fla: the batch layout). The warm-up must meet a one-row prefill and a several-row prefill whose
+    token count is no multiple of 16, each in one step, so a served request meets neither first."""
+    from mstar.runtime.step_inputs import StepInputBuilder
+
+    seen = []
+    build = StepInputBuilder.build
+
+    def record(self, rows):
+        if rows.prefill_starts:
+            seen.append((len(rows.prefill_starts), sum(e - s for s, e in zip(rows.prefill_starts, rows.prefill_ends))))
+        return build(self, rows)
+    monkeypatch.setattr(StepInputBuilder, "build", record)
+    core = engine(kind, page_size=16, warmup="on")
+    assert core.warm_up_steps > 0 and core.num_steps == 0
+    assert any(p == 1 and t % 16 == 0 for p, t in seen), seen
+    assert any(p >= 3 and t % 16 != 0 for p, t in seen), seen
+    assert_no_leaks(core)

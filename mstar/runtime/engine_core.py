@@ -199,37 +199,47 @@ class EngineCore:
                                   capture=mode == "auto")
 
     def _warm_up(self) -> None:
-        """One short request (a prefill of a few pages, then decode steps) run to its end, then
-        every trace of it removed: its prefix-cache entries, the counters, the seed sequence of
-        requests without a seed. Later requests get the tokens they would get without it.
+        """Short requests run to their end at start-up, then every trace of them removed: their
+        prefix-cache entries, the counters, the seed sequence of requests without a seed. Later
+        requests get the tokens they would get without it. Two rounds: one row of a few pages,
+        then three rows in one step whose token count is no multiple of 16. Kernels that compile
+        a variant per shape class (Triton specializes integers on == 1 and % 16; FlashInfer and
+        fla per batch layout) then meet those classes here rather than in a served request.
         Encoder-decoder models (Whisper) transcribe one second of silence."""
         audio = None
         if self.has_cross:
             import numpy as np
 
             from mstar.models.whisper_tokens import WhisperTokens
-            prompt = WhisperTokens.from_vocab_size(self.vocab_size).decoder_prompt("en", "transcribe")
+            rounds = [[WhisperTokens.from_vocab_size(self.vocab_size).decoder_prompt("en", "transcribe")]]
             audio = np.zeros(16000, dtype=np.float32)
         else:
-            prompt = [i % self.vocab_size for i in range(max(1, min(4 * self.page_size, self.max_model_len - 4)))]
+            cap = max(1, self.max_model_len - 4)
+            ps = self.page_size
+            rounds = [[min(4 * ps, cap)], [min(2 * ps + 3, cap), min(ps + 5, cap), min(7, cap)]]
+            rounds = [[[i % self.vocab_size for i in range(n)] for n in r] for r in rounds]
         timer, self.phase_timer = self.phase_timer, None  # not a step of the engine's life
         try:
-            self.add_request(EngineRequest("mstar-warm-up", prompt,
-                                           SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                                           audio=audio))
-            while self.has_unfinished():
-                self.step()
+            for r, prompts in enumerate(rounds):
+                for i, prompt in enumerate(prompts):
+                    self.add_request(EngineRequest(f"mstar-warm-up-{r}-{i}", prompt,
+                                                   SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                                   audio=audio))
+                while self.has_unfinished():
+                    self.step()
         except RequestError as e:  # a pool too small for it (tests): start cold rather than not at all
             log.warning("start-up warm-up skipped: %s", e)
-            return
+            self.abort(list(self._seqs))  # a round admitted in part
+            self._pending.clear()
         finally:
             self.phase_timer = timer
-        self.reset_prefix_cache()
-        self._seed_rng = random.Random(self.config.seed)
-        self._arrivals = 0
-        self.num_steps = self.num_generated_tokens = self.num_prefill_tokens = 0
-        if self.overlap is not None:
-            self.overlap.num_chained = 0
+            self.warm_up_steps = self.num_steps
+            self.reset_prefix_cache()
+            self._seed_rng = random.Random(self.config.seed)
+            self._arrivals = 0
+            self.num_steps = self.num_generated_tokens = self.num_prefill_tokens = 0
+            if self.overlap is not None:
+                self.overlap.num_chained = 0
 
     def _decode_masters(self, config: EngineConfig, model, wants_graphs: bool, tokens: bool, rope: bool):
         """The master buffers of in-graph decode inputs (allocated before any capture), or None."""

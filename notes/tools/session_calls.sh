@@ -11,6 +11,9 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
+#   par    (two H200s, ~9.5 min): GPU 0 serves 0.8B (default, prefill graphs, idle gather) and 4B;
+#          GPU 1 runs the Whisper protocol, the gate on the trained checkpoint (.gate_model, carry
+#          it) and HF at c8 / c32
 # All of them take ~42 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl. Records land in $OUT. DRY=1 prints the stages.
 set -u
@@ -56,8 +59,19 @@ env \$k python3 -m mstar.bench.offline --model qwen3.5-0.8b --random-weights --o
     run "hf:230:for c in 8 32; do python3 -m mstar.bench.serve --backend hf --model qwen3.5-0.8b --random-weights \
 --concurrency \$c --num-prompts \$c --results-dir \$OUT; done"
     ;;
+  par)
+    g0="$(serve qwen3.5-0.8b 8001 8 32 64 128); \
+SERVER_ARGS='--prefill-graphs auto' BENCH_ARGS='--label prefill-graphs' $(serve qwen3.5-0.8b 8002 8 32 64 128); \
+MSTAR_IDLE_GATHER_US=3000 BENCH_ARGS='--label gather3000' $(serve qwen3.5-0.8b 8003 8 32); $(serve qwen3.5-4b 8004 8 32 64 128)"
+    g1="timeout 230 python3 -m mstar.bench.whisper --launch --model whisper-large-v3 --results-dir \$OUT \
+--server-args --port 8101; timeout 150 python3 -m mstar.bench.gate --model .gate_model --out \$OUT/gate-trained.json; \
+for c in 8 32; do timeout 100 python3 -m mstar.bench.serve --backend hf --model qwen3.5-0.8b --random-weights \
+--concurrency \$c --num-prompts \$c --results-dir \$OUT; done"
+    run "par:560:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf servers.tgz server-*.log && rm -f server-*.log; grep -h -v "^INFO" gpu0.log gpu1.log | tail -80"
+    ;;
   *)
-    sed -n 2,15p "$0"
+    sed -n 2,18p "$0"
     exit 2
     ;;
 esac

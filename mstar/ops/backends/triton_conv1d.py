@@ -84,7 +84,9 @@ def _row_of(cu_ptr, t, P, N_STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit
+# the token, row and snapshot counts change every step: specializing on them (== 1, % 16) would
+# compile a new variant in the middle of serving (seen as 1-3 s TTFT tails on the H200)
+@triton.jit(do_not_specialize=["T", "P", "S", "n_tok_blocks"])
 def _conv_prefill_kernel(x_ptr, w_ptr, b_ptr, state_ptr, cu_ptr, slot_ptr, snap_tok_ptr, out_ptr, new_ptr,
                          T, C, P, S, n_tok_blocks, x_stride,
                          N_STEPS: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -154,9 +156,9 @@ _PREFILL_BLOCK_C = 128
 
 
 def _search_steps(p: int) -> int:
-    # binary-search steps for p rows, bucketed so that few variants compile
+    # binary-search steps for p rows, bucketed so that one variant serves up to 256 rows
     need = max((p - 1).bit_length(), 1)
-    return next(b for b in (4, 8, 16, 32, 64) if b >= need)
+    return next(b for b in (8, 16, 32, 64) if b >= need)
 
 
 def causal_conv1d_prefill(x, weight, bias, conv_state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, silu):
