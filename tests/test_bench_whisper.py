@@ -15,8 +15,9 @@ def test_bench_whisper_launch(tmp_path, capsys):
     d = whisper_dir()
     rc = bench.main(["--launch", "--model", d, "--concurrency", "1", "3", "--num-requests", "4", "--num-warmup", "1",
                      "--clip-seconds", "2", "--output-len", "5", "--results-dir", str(tmp_path),
-                     "--server-args", "--device", "cpu", "--dtype", "float32", "--page-size", "4"])
+                     "--server-log", str(tmp_path / "server.log"), "--server-args", "--device", "cpu", "--dtype", "float32", "--page-size", "4"])
     assert rc == 0
+    assert "mstar is serving" in (tmp_path / "server.log").read_text()  # --server-log keeps it
     out = capsys.readouterr().out
     assert "req/s" in out and "first tok p90 ms" in out and "phases" in out
     with open(tmp_path / "whisper.jsonl") as f:

@@ -263,3 +263,25 @@ def test_warm_up_transcribes_silence_and_leaves_no_trace(model_and_tok, waves, m
     assert core.num_steps == 0 and core.cm.stats().cached_pages == 0
     assert run(core, reqs()) == cold
     assert_no_leaks(core)
+
+
+def test_overlapped_decode_applies_the_suppress_masks(model_and_tok, waves):
+    """async_output with Whisper: its decode rows carry static suppress masks, which the
+    overlapped launch applies on the device, so decode steps chain (a step launched before the
+    previous one is read back) and give the synchronous path's tokens. The masks are made to
+    bite: every id but a random few text tokens is suppressed."""
+    prompt = TOK.decoder_prompt("en", "transcribe")
+    sp = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+    allowed = set(random.Random().sample(range(TOK.eot), 48))
+    outs = []
+    for overlap in (False, True):
+        core = make_engine(model_and_tok, decode_graphs="static", async_output=overlap, admit_min_free=0)
+        core.default_suppress = tuple(i for i in range(core.vocab_size) if i not in allowed)
+        outs.append(run(core, {0: [EngineRequest("a0", prompt, sp, audio=waves[0]),
+                                   EngineRequest("a1", prompt, sp, audio=waves[1])],
+                               2: [EngineRequest("a2", prompt, sp, audio=waves[3])]}))
+        if overlap:
+            assert core.overlap is not None and core.overlap.num_chained > 0
+        assert_no_leaks(core)
+    assert outs[1] == outs[0]
+    assert {t for v in outs[1].values() for t in v} <= allowed

@@ -187,7 +187,9 @@ def run_level(args, c: int, headers: dict) -> dict[str, Any]:
 
 class _Launched:
     def __init__(self, args):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="mstar-whisper-bench-", suffix=".log", delete=False)
+        self.keep = args.server_log is not None  # the log stays where --server-log puts it
+        self.log = open(args.server_log, "w+") if self.keep else \
+            tempfile.NamedTemporaryFile("w+", prefix="mstar-whisper-bench-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "mstar.runtime.serve", "--model", args.model, "--port", "0", "--no-access-log",
                "--max-num-seqs", str(max(args.concurrency))]
         if not os.path.isdir(args.model):
@@ -218,6 +220,8 @@ class _Launched:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.keep:
+            return
         try:
             os.unlink(self.log.name)
         except OSError:
@@ -252,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Start `python -m mstar.runtime.serve --model MODEL` here (random weights for a preset).")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="With --launch: the rest of the command line goes to the server.")
+    p.add_argument("--server-log", default=None,
+                   help="With --launch: keep the server's output in this file (default: a temporary file, removed).")
     p.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="With --launch: seconds to wait for the server to report ready (its start-up warm-up "
                         "runs the first-use kernel builds before it does).")

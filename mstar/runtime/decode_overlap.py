@@ -23,8 +23,9 @@ A row that stops on a stop token at step k-1 was already queued in step k: that 
 writes land in its pages and state slot, freed by then, before any later user of them
 (one stream), and its token is dropped.
 
-Only rows without logprobs, penalties, token masks or pending min_tokens masking, all
-greedy, take this path; any other step runs synchronously after the read-back.
+Only rows without logprobs, penalties or pending min_tokens masking, all greedy, take this
+path (static token masks, Whisper's suppressed ids, are applied on the device here too); any
+other step runs synchronously after the read-back.
 """
 
 from __future__ import annotations
@@ -62,8 +63,6 @@ class DecodeOverlap:
     # --- which steps qualify -------------------------------------------------------------
     def eligible(self, seqs) -> bool:
         core = self.core
-        if core.token_masks.active:
-            return False
         plain = core.sampler.plain_greedy
         # min_tokens not reached: the stop ids are masked before sampling (the synchronous path)
         return all(plain(seq.sampler_row) and not (seq.num_output_tokens < seq.params.min_tokens and seq.stop_ids)
@@ -96,9 +95,12 @@ class DecodeOverlap:
         if core.tp is None:
             # greedy: argmax of the head's output in the model dtype (its float32 copy, which
             # compute_logits returns, orders the same values the same way)
-            tokens = torch.nn.functional.linear(hidden, core.model.lm_head_weight()).argmax(dim=-1)
+            logits = torch.nn.functional.linear(hidden, core.model.lm_head_weight())
         else:  # tp > 1: the vocab-parallel head's gather, which every rank joins after a graph step
-            tokens = core.model.compute_logits(hidden).argmax(dim=-1)
+            logits = core.model.compute_logits(hidden)
+        if core.token_masks.active:  # static per-request masks (Whisper's suppressed ids): on the device
+            core.token_masks.apply(logits, [seq.sampler_row for seq in seqs])
+        tokens = logits.argmax(dim=-1)
         if self._masters is not None:
             # the rows' master slots are still the graph's staged row (this step's): on the device
             self._masters.scatter_tokens(core.graphs.row_slots(tokens.shape[0]), tokens)
