@@ -14,6 +14,9 @@
 #   par    (two H200s, ~9.5 min): GPU 0 serves 0.8B (default, prefill graphs, idle gather) and 4B;
 #          GPU 1 runs the Whisper protocol, the gate on the trained checkpoint (.gate_model, carry
 #          it) and HF at c8 / c32
+#   par2   (two H200s, ~9.5 min): GPU 0: the CuTe check, then cold vs warm start-up (carry .gpu with
+#          the CuTe runtime and kernel_cache/cute, no kernel_cache_in: the cold run must build);
+#          GPU 1: the Whisper protocol (default, then --admit-min-free 0), the prefill-graphs probe
 # All of them take ~42 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl. Records land in $OUT. DRY=1 prints the stages.
 set -u
@@ -70,8 +73,18 @@ for c in 8 32; do timeout 100 python3 -m mstar.bench.serve --backend hf --model 
     run "par:560:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf servers.tgz server-*.log && rm -f server-*.log; grep -h -v "^INFO" gpu0.log gpu1.log | tail -80"
     ;;
+  par2)
+    w="python3 -m mstar.bench.whisper --launch --model whisper-large-v3 --results-dir \$OUT"
+    g0="timeout 150 bash notes/tools/gpu_cute_check.sh; timeout 380 bash notes/tools/startup_cold_warm.sh"
+    g1="timeout 230 $w --server-log \$OUT/whisper-a.log; \
+timeout 120 $w --label admit0 --server-log \$OUT/whisper-b.log --server-args --admit-min-free 0; \
+timeout 170 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128"
+    run "par2:570:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf wlogs.tgz whisper-*.log \
+&& rm -f whisper-*.log; grep -h -v '^INFO' gpu0.log gpu1.log | tail -100"
+    ;;
   *)
-    sed -n 2,18p "$0"
+    sed -n 2,21p "$0"
     exit 2
     ;;
 esac

@@ -1,0 +1,70 @@
+"""Does capturing the prefill graphs slow the decode graphs' replay? (GPU; issue 7)
+
+Served with --prefill-graphs auto, ITL p50 was 0.12-0.15 ms higher at every concurrency
+(notes/gpu-2026-11-30-s5.md). This times, on one engine, the replay of a captured decode graph
+and the eager LM head + argmax of an overlapped decode step, before and after a
+PrefillGraphRunner is captured beside it (and again after it is freed):
+
+    python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from mstar.runtime.config import EngineConfig
+from mstar.runtime.engine_core import EngineCore
+from mstar.runtime.prefill_graphs import PrefillGraphRunner
+
+
+def _time(fn, iters: int) -> float:
+    """Median of 5 runs of `iters` calls, in microseconds per call (CUDA events)."""
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / iters)
+    return sorted(out)[2]
+
+
+def measure(core, batches, label: str) -> None:
+    w = core.model.lm_head_weight()
+    hidden = {b: torch.randn(b, w.shape[1], dtype=w.dtype, device=w.device) for b in batches}
+    for b in batches:
+        g = core.graphs.graphs[core.graphs.bucket(b)]
+        replay = _time(g.replay, 200)
+        head = _time(lambda: torch.nn.functional.linear(hidden[b], w).argmax(dim=-1), 200)
+        print(f"{label:<28} batch {b:>4}: decode graph replay {replay:8.1f} us   head + argmax {head:7.1f} us",
+              flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights)")
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128], help="decode batch sizes to time")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill graphs' largest bucket")
+    a = p.parse_args()
+    core = EngineCore(EngineConfig(model=a.model, random_weights=True, device="cuda", dtype="bfloat16",
+                                   max_num_seqs=max(a.batch), warmup="off"))
+    measure(core, a.batch, "decode graphs only")
+    pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=a.max_num_batched_tokens,
+                            capture=True)
+    print(f"prefill graphs: {len(pg.sizes)} sizes x {len(pg.layers) + 1} segments, {pg.capture_s:.1f} s, "
+          f"{pg.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
+    measure(core, a.batch, "with prefill graphs")
+    del pg
+    gc.collect()
+    torch.cuda.synchronize()
+    measure(core, a.batch, "prefill graphs freed")
+
+
+if __name__ == "__main__":
+    main()
