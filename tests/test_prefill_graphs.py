@@ -56,7 +56,11 @@ def test_prefill_graphs_refuse_what_they_cannot_cut(caplog):
     core = engine("qwen3", prefill_graphs="static", compile="on")
     assert core.prefill_graphs is None
     assert any("prefill graphs are off" in r.getMessage() for r in caplog.records)
+    assert engine("qwen3").config.prefill_graphs == "auto"  # the default
     assert engine("qwen3", prefill_graphs="auto").prefill_graphs is None  # auto: CUDA only
+    caplog.clear()
+    assert engine("qwen3", prefill_graphs="on").prefill_graphs is None  # on: CUDA, else off with a warning
+    assert any("prefill graphs are off" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="prefill_graphs"):
         EngineCore(EngineConfig(model=model_dir("qwen3"), prefill_graphs="yes", device="cpu"))
 
@@ -83,8 +87,8 @@ def test_cuda_prefill_graphs_match_the_forward(kind):
     ps = prompts(9, 1, 70, seed=31)
     shared = prompts(1, 24, 24, seed=32)[0]
     opts = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=128, device="cuda", dtype="bfloat16")
-    ref = run_all(engine(kind, **opts), _reqs(ps, shared))
-    core = engine(kind, prefill_graphs="auto", **opts)
+    ref = run_all(engine(kind, prefill_graphs="off", **opts), _reqs(ps, shared))
+    core = engine(kind, **opts)  # the default, "auto": captured on CUDA at tp = 1
     assert core.prefill_graphs is not None and core.prefill_graphs.graphs
     assert run_all(core, _reqs(ps, shared)) == ref
     assert_no_leaks(core)
@@ -102,11 +106,11 @@ def test_cuda_prefill_graphs_at_tp2():
                 max_model_len=256, max_num_batched_tokens=128)
     ps = PS
     outs = []
-    for mode in ("off", "auto"):
+    for mode in ("off", "on", "auto"):  # auto: not at tp > 1 (unmeasured there)
         core = EngineCore(EngineConfig(prefill_graphs=mode, **opts))
         try:
-            assert (core.prefill_graphs is not None and bool(core.prefill_graphs.graphs)) == (mode == "auto")
+            assert (core.prefill_graphs is not None and bool(core.prefill_graphs.graphs)) == (mode == "on")
             outs.append(_greedy(core, ps, 16))
         finally:
             _closed_cleanly(core)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

@@ -126,9 +126,10 @@ def main(argv=None):
     ap.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "static"],
                     help="auto: decode steps replay CUDA graphs on CUDA; off: every step eager; static: the graphs' "
                          "fixed buffers without capturing (any device)")
-    ap.add_argument("--prefill-graphs", default="off", choices=["auto", "off", "static"],
-                    help="auto: prefill / mixed steps replay piecewise CUDA graphs around the attention and GDN "
-                         "cores; static: the same segments without capturing (any device); off: the plain forward")
+    ap.add_argument("--prefill-graphs", default="auto", choices=["auto", "on", "off", "static"],
+                    help="on: prefill / mixed steps replay piecewise CUDA graphs around the attention and GDN "
+                         "cores (CUDA); auto: on at --tp 1 on CUDA; static: the same segments without capturing "
+                         "(any device); off: the plain forward")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "decode", "off"],
                     help="torch.compile the forward: every step (on), inside the decode graphs only (decode)")
     ap.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],

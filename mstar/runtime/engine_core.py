@@ -183,20 +183,28 @@ class EngineCore:
 
     def _prefill_graphs(self, config: EngineConfig):
         mode = config.prefill_graphs
-        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+        if mode == "off":
+            return None
+        if mode in ("auto", "on") and self.device.type != "cuda":
+            if mode == "on":
+                log.warning("prefill graphs are off: they capture CUDA graphs, and the device is %s", self.device)
+            return None
+        if mode == "auto" and self.tp is not None:
+            log.info("prefill graphs are off at tp > 1 unless asked for (--prefill-graphs on)")
             return None
         from mstar.runtime.prefill_graphs import PrefillGraphRunner, supported
         why = supported(self.model)
         if why is None and config.compile == "on":
             why = "the forward is compiled (--compile on)"
         if why is not None:
-            log.warning("prefill graphs are off: %s", why)
+            (log.info if mode == "auto" else log.warning)("prefill graphs are off: %s", why)
             return None
+        capture = mode != "static"
         if self.tp is not None:
-            self.tp.start_prefill_graphs(capture=mode == "auto")
+            self.tp.start_prefill_graphs(capture=capture)
         return PrefillGraphRunner(self.model, device=self.device, dtype=self.dtype,
                                   max_tokens=config.resolve_max_num_batched_tokens(self.device),
-                                  capture=mode == "auto")
+                                  capture=capture)
 
     def _warm_up(self) -> None:
         """Short requests run to their end at start-up, then every trace of them removed: their

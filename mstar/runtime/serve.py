@@ -91,10 +91,11 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     e.add_argument("--decode-graphs", default="auto", choices=["auto", "off"],
                    help="auto: decode-only steps replay CUDA graphs captured at start-up (CUDA; every rank at --tp N); "
                         "off: every step runs eagerly.")
-    e.add_argument("--prefill-graphs", default="off", choices=["auto", "off"],
-                   help="auto: prefill and mixed steps replay piecewise CUDA graphs (everything but the attention "
+    e.add_argument("--prefill-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="on: prefill and mixed steps replay piecewise CUDA graphs (everything but the attention "
                         "and GDN cores, captured at padded token counts up to --max-num-batched-tokens; CUDA, every "
-                        "rank at --tp N); off: they run the plain forward. Off until the H200 measures it.")
+                        "rank at --tp N); auto: on at --tp 1 on CUDA (not yet measured at tp > 1); off: they run "
+                        "the plain forward.")
     e.add_argument("--max-graph-batch", type=_positive_int, default=256,
                    help="Largest decode batch captured as a CUDA graph (capped by --max-num-seqs); larger "
                         "decode steps run eagerly.")

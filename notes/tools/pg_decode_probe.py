@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.engine_core import EngineCore
@@ -41,7 +45,7 @@ def measure(core, batches, label: str) -> None:
     for b in batches:
         g = core.graphs.graphs[core.graphs.bucket(b)]
         replay = _time(g.replay, 200)
-        head = _time(lambda: torch.nn.functional.linear(hidden[b], w).argmax(dim=-1), 200)
+        head = _time(lambda h=hidden[b]: torch.nn.functional.linear(h, w).argmax(dim=-1), 200)
         print(f"{label:<28} batch {b:>4}: decode graph replay {replay:8.1f} us   head + argmax {head:7.1f} us",
               flush=True)
 
