@@ -6,6 +6,10 @@ and the eager LM head + argmax of an overlapped decode step, before and after a
 PrefillGraphRunner is captured beside it (and again after it is freed):
 
     python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128
+    python3 notes/tools/pg_decode_probe.py --model whisper-large-v3 --batch 1 4 16 --decode-only
+
+--decode-only times the decode graphs alone (any model, Whisper too): is a decode step's time
+on the device (the replay) or on the host (the rest of the step)?
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ def main() -> None:
     p.add_argument("--model", default="qwen3.5-0.8b", help="preset (random weights)")
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128], help="decode batch sizes to time")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill graphs' largest bucket")
+    p.add_argument("--decode-only", action="store_true", help="time the decode graphs only (no prefill graphs)")
     a = p.parse_args()
     core = EngineCore(EngineConfig(model=a.model, random_weights=True, device="cuda", dtype="bfloat16",
-                                   max_num_seqs=max(a.batch), warmup="off"))
+                                   max_num_seqs=max(a.batch), warmup="off", prefill_graphs="off"))
     measure(core, a.batch, "decode graphs only")
+    if a.decode_only:
+        return
     pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=a.max_num_batched_tokens,
                             capture=True)
     print(f"prefill graphs: {len(pg.sizes)} sizes x {len(pg.layers) + 1} segments, {pg.capture_s:.1f} s, "

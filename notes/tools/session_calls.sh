@@ -17,10 +17,10 @@
 #   par2   (two H200s, ~9.5 min): GPU 0: the CuTe check, then cold vs warm start-up (carry .gpu with
 #          the CuTe runtime and kernel_cache/cute, no kernel_cache_in: the cold run must build);
 #          GPU 1: the Whisper protocol (default, then --admit-min-free 0), the prefill-graphs probe
-#   par3   (two H200s, ~6 min): GPU 0: the CuTe check, then HF at c8; GPU 1: the gate on the trained
+#   par3   (two H200s, ~6 min): GPU 0: the CuTe check, HF at c8, Whisper's decode graph replay time;
+#          GPU 1: the gate on the trained
 #          checkpoint (.gate_model), then the prefill-graphs probe. Carry .gpu (with the CuTe
-#          runtime), kernel_cache/cute, .gate_model, and kernel_cache_in holding only FlashInfer's
-#          head_dim 256 and 64 modules (the whole cache does not fit beside them)
+#          runtime), kernel_cache/cute, .gate_model; no kernel cache fits beside them (kernels build)
 # All of them take ~42 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl. Records land in $OUT. DRY=1 prints the stages.
 set -u
@@ -88,11 +88,12 @@ timeout 170 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 
 && rm -f whisper-*.log; grep -h -v '^INFO' gpu0.log gpu1.log | tail -100"
     ;;
   par3)
-    g0="timeout 180 bash notes/tools/gpu_cute_check.sh; timeout 140 python3 -m mstar.bench.serve --backend hf \
---model qwen3.5-0.8b --random-weights --concurrency 8 --num-prompts 8 --results-dir \$OUT"
-    g1="timeout 260 python3 -m mstar.bench.gate --model .gate_model --out \$OUT/gate-trained.json; \
-timeout 110 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128"
-    run "par3:400:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+    g0="timeout 160 bash notes/tools/gpu_cute_check.sh; timeout 140 python3 -m mstar.bench.serve --backend hf \
+--model qwen3.5-0.8b --random-weights --concurrency 8 --num-prompts 8 --results-dir \$OUT; \
+timeout 110 python3 notes/tools/pg_decode_probe.py --model whisper-large-v3 --batch 1 4 16 --decode-only"
+    g1="timeout 280 python3 -m mstar.bench.gate --model .gate_model --out \$OUT/gate-trained.json; \
+timeout 120 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128"
+    run "par3:420:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; grep -h -v '^INFO' \$OUT/gpu0.log \$OUT/gpu1.log | tail -120"
     ;;
   *)
