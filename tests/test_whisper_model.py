@@ -121,7 +121,8 @@ class WhisperHarness(Harness):
         rows = list(decode) + list(prefill)
         ctx.cross = CrossAttentionMetadata.for_rows(
             [self.cross_slots[s] for s in rows], [self.source_len] * len(rows),
-            [1] * len(decode) + [len(prefill[s]) for s in prefill], device=self.device)
+            [1] * len(decode) + [len(prefill[s]) for s in prefill], page_size=self.spec.cross.page_size,
+            pages_per_slot=self.spec.cross.pages_per_slot, device=self.device)
         return ctx
 
 

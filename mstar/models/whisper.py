@@ -39,7 +39,7 @@ from torch import nn
 
 from mstar import ops
 from mstar.models.base import DecoderLM, WeightLoadError, allocate_meta
-from mstar.models.context import (AttentionLayerSpec, CacheSpec, CrossAttentionSpec, ForwardContext,
+from mstar.models.context import (AttentionLayerSpec, CacheSpec, CrossAttentionSpec, ForwardContext, cross_page_size,
                                   ModelCaches)
 from mstar.models.layers import Embedding, FusedLinear, Linear, paged_attention, weight_map
 
@@ -212,6 +212,8 @@ class CrossAttention(nn.Module):
         self.out_proj = Linear(d, d, bias=True)
         self.k_cache: torch.Tensor | None = None  # [num_cross_slots, max_source_len, H, D]
         self.v_cache: torch.Tensor | None = None
+        self.k_pages: torch.Tensor | None = None  # the same memory as pages (context.cross_page_size)
+        self.v_pages: torch.Tensor | None = None
 
     def spec(self) -> AttentionLayerSpec:
         return AttentionLayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -233,7 +235,7 @@ class CrossAttention(nn.Module):
         md = ctx.cross
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        o = ops.paged_attention_decode(q, self.k_cache, self.v_cache, md.kv_indptr, md.kv_indices,
+        o = ops.paged_attention_decode(q, self.k_pages, self.v_pages, md.kv_indptr, md.kv_indices,
                                        md.kv_last_page_len, self.scale)
         return self.out_proj(o.reshape(t, -1))
 
@@ -340,8 +342,12 @@ class WhisperForConditionalGeneration(DecoderLM):
                 raise ValueError(f"bind_caches: cross-attention layer {i} wants [slots, {self.max_source_positions}, "
                                  f"{m.num_kv_heads}, {m.head_dim}], got k {tuple(k.shape)} v {tuple(v.shape)}")
         self._bind_paged_kv(caches)
+        page = cross_page_size(self.max_source_positions)
         for m, k, v in zip(cross, caches.cross_k_caches, caches.cross_v_caches):
             m.k_cache, m.v_cache = k, v
+            # the pages cross-attention reads (CrossAttentionMetadata): a view, no copy
+            m.k_pages = k.view(-1, page, m.num_kv_heads, m.head_dim)
+            m.v_pages = v.view(-1, page, m.num_kv_heads, m.head_dim)
         self._caches_bound = True
 
     # --- encoder ----------------------------------------------------------------------------

@@ -56,10 +56,12 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphRunner:
     def __init__(self, model, forward, *, device: torch.device, page_size: int, max_batch: int, num_pages: int,
                  max_model_len: int, pad_page: int | None, pad_slot: int | None, capture: bool,
-                 pad_cross: int | None = None, cross_source_len: int = 0, masters=None):
+                 pad_cross: int | None = None, cross_source_len: int = 0, cross_page_size: int = 0,
+                 masters=None):
         """num_pages: the KV pool's size; max_model_len bounds one row's pages.
         Encoder-decoder models (cross_source_len > 0): each row also attends over its cross
-        slot, a second decode plan per batch size (one page of cross_source_len per row).
+        slot, a second decode plan per batch size (the slot's cross_source_len / cross_page_size
+        pages per row, context.CrossAttentionMetadata).
         masters: the DecodeMasters the graphs read their inputs from (None: staged from the host)."""
         self.model = model
         self.forward = forward  # model.forward, or its compiled version
@@ -68,6 +70,8 @@ class DecodeGraphRunner:
         # models without attention (or without state) have no padding page (or slot)
         self.pad_page, self.pad_slot, self.pad_cross = pad_page or 0, pad_slot or 0, pad_cross or 0
         self.cross_source_len = cross_source_len
+        self.cross_page_size = cross_page_size or cross_source_len
+        self._x_pages = cross_source_len // self.cross_page_size if cross_source_len else 0  # per slot
         self.capture_enabled = capture
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -97,8 +101,8 @@ class DecodeGraphRunner:
         self._idx_dev = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
         self._ptr_host = torch.zeros(B + 1, dtype=torch.int32)
         self._last_host = torch.ones(B, dtype=torch.int32)
-        # cross-attention rows: one page each (indptr = arange), the whole source
-        self._xidx_host = torch.zeros(B, dtype=torch.int32, pin_memory=pin)
+        # cross-attention rows: the pages of the row's cross slot (indptr = arange * pages), the whole source
+        self._xidx_host = torch.zeros(B * self._x_pages, dtype=torch.int32, pin_memory=pin)
         self.plans: dict[int, object] = {}
         self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
@@ -128,12 +132,13 @@ class DecodeGraphRunner:
             cross = None
             if cross_source_len:
                 xa = model.cross_attention_layers[0]
+                n = self._x_pages
                 xp = ops.decode_graph_plan(
-                    self.device, batch=b, max_pages=b, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
-                    head_dim=xa.head_dim, page_size=cross_source_len, dtype=model.dtype, scale=xa.scale)
-                xp.plan(torch.arange(b + 1, dtype=torch.int32), torch.full((b,), pad_cross or 0, dtype=torch.int32,
-                                                                         device=self.device),
-                        torch.full((b,), cross_source_len, dtype=torch.int32))
+                    self.device, batch=b, max_pages=b * n, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
+                    head_dim=xa.head_dim, page_size=self.cross_page_size, dtype=model.dtype, scale=xa.scale)
+                pad_pages = (self.pad_cross * n + torch.arange(n, dtype=torch.int32)).repeat(b)
+                xp.plan(torch.arange(b + 1, dtype=torch.int32) * n, pad_pages.to(self.device),
+                        torch.full((b,), self.cross_page_size, dtype=torch.int32))
                 self.cross_plans[b] = xp
                 cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
                                                kv_last_page_len=xp.last_page_len)
@@ -241,12 +246,13 @@ class DecodeGraphRunner:
                 h[3, :d] = rows.decode_slots
         self._dev[:, :b].copy_(self._host[:, :b], non_blocking=True)
         if self.cross_source_len:
-            # every row reads one whole-source page: the plan (planned at construction) never
-            # changes, only which cross slot each row reads
-            x = self._xidx_host.numpy()
-            x[:d] = rows.decode_cross or ()
-            x[d:b] = self.pad_cross
-            self.cross_plans[b].indices[:b].copy_(self._xidx_host[:b], non_blocking=True)
+            # every row reads its slot's pages, the whole source: the plan (planned at
+            # construction) never changes, only which slot's pages each row reads
+            n = self._x_pages
+            x = self._xidx_host.numpy()[:b * n].reshape(b, n)
+            x[:d] = np.asarray(rows.decode_cross or (), dtype=np.int64).reshape(-1, 1) * n + np.arange(n)
+            x[d:b] = self.pad_cross * n + np.arange(n)
+            self.cross_plans[b].indices[:b * n].copy_(self._xidx_host[:b * n], non_blocking=True)
         if not self.has_attention:
             self._mark_staged()
             return

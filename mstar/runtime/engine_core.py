@@ -134,7 +134,8 @@ class EngineCore:
         make_inputs = StepInputBuilder if self.tp is None else self.tp.input_builder  # tp: sends the plan
         self.inputs = make_inputs(page_size=self.page_size, device=self.device,
                                   has_attention=self.has_attention, has_state=self.has_state,
-                                  cross_source_len=spec.cross.max_source_len if self.has_cross else 0)
+                                  cross_source_len=spec.cross.max_source_len if self.has_cross else 0,
+                                  cross_page_size=spec.cross.page_size if self.has_cross else 0)
         self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
         t_caches = time.perf_counter()
         self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
@@ -271,7 +272,8 @@ class EngineCore:
         params = dict(page_size=sizes.page_size, max_batch=min(config.max_graph_batch, config.max_num_seqs),
                       num_pages=sizes.num_pages, max_model_len=max_len, pad_page=self.cm.pad_page,
                       pad_slot=self.cm.pad_slot, capture=config.decode_graphs == "auto", pad_cross=self.cm.pad_cross,
-                      cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0)
+                      cross_source_len=self.cm.spec.cross.max_source_len if self.has_cross else 0,
+                      cross_page_size=self.cm.spec.cross.page_size if self.has_cross else 0)
         runner = DecodeGraphRunner(self.model, self._graph_forward, device=self.device, masters=self.masters,
                                    **params)
         if self.tp is not None:  # every rank captures the same graphs at once (no eager fallback)

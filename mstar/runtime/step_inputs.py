@@ -61,10 +61,14 @@ class StepRows:
 
 class StepInputBuilder:
     def __init__(self, *, page_size: int, device: torch.device, has_attention: bool, has_state: bool,
-                 cross_source_len: int = 0):
+                 cross_source_len: int = 0, cross_page_size: int = 0):
         self.page_size = page_size
         self.cross_source_len = cross_source_len  # > 0: the model has cross-attention (Whisper: 1500)
-        self._x_arange = np.zeros(0, dtype=np.int32)  # host arange / source lengths, grown on demand
+        # a cross slot is read as pages (context.CrossAttentionMetadata); default: one page
+        self.cross_page_size = cross_page_size or cross_source_len
+        self._x_pages = cross_source_len // self.cross_page_size if cross_source_len else 0  # per slot
+        self._x_offsets = np.arange(self._x_pages, dtype=np.int64)
+        self._x_indptr = np.zeros(0, dtype=np.int32)  # host indptr / last-page lengths, grown on demand
         self._x_last = np.zeros(0, dtype=np.int32)
         self.device = torch.device(device)
         self.has_attention = has_attention
@@ -133,18 +137,20 @@ class StepInputBuilder:
         logits_idx = np.concatenate([np.arange(D, dtype=np.int64), D + qo_indptr[1:][samples] - 1])
         n_sample = int(logits_idx.shape[0])
 
-        # cross-attention: every token is its own one-page row over its sequence's cross slot.
-        # Only the slots change with the batch; indptr (arange) and last-page lengths (the
-        # source length) stay on the host (context.py allows it), so a backend plans from
-        # them without reading the device.
+        # cross-attention: every token is its own row over its sequence's whole cross slot, the
+        # slot's pages. Only the slots change with the batch; indptr (a multiple of arange) and
+        # last-page lengths (a full page) stay on the host (context.py allows it), so a backend
+        # plans from them without reading the device.
         if self.cross_source_len:
-            x_idx = np.repeat(np.asarray(list(rows.decode_cross or []) + list(rows.prefill_cross or []),
-                                         dtype=np.int64), np.concatenate([np.ones(D, dtype=np.int64), p_qlen]))
-            if len(self._x_arange) < T + 1:
-                n = max(T + 1, 2 * len(self._x_arange))
-                self._x_arange = np.arange(n, dtype=np.int32)
-                self._x_last = np.full(n, self.cross_source_len, dtype=np.int32)
-            h_xindptr = torch.from_numpy(self._x_arange[:T + 1])
+            slot = np.repeat(np.asarray(list(rows.decode_cross or []) + list(rows.prefill_cross or []),
+                                        dtype=np.int64), np.concatenate([np.ones(D, dtype=np.int64), p_qlen]))
+            n = self._x_pages
+            x_idx = (slot[:, None] * n + self._x_offsets[None, :]).reshape(-1)
+            if len(self._x_indptr) < T + 1:
+                m = max(T + 1, 2 * len(self._x_indptr))
+                self._x_indptr = (np.arange(m) * n).astype(np.int32)
+                self._x_last = np.full(m, self.cross_page_size, dtype=np.int32)
+            h_xindptr = torch.from_numpy(self._x_indptr[:T + 1])
             h_xlast = torch.from_numpy(self._x_last[:T])
         else:
             x_idx = np.zeros(0, dtype=np.int64)
