@@ -11,7 +11,9 @@ source .gpu/setup.sh
 # prefill module): date the bundle back, older than any carried object
 find /opt/mstar-gpu -exec touch -h -d 2026-01-01 {} + 2>/dev/null
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
-if [ -d kernel_cache_in ]; then cat kernel_cache_in/kcache.tgz.* 2>/dev/null | tar xzf - 2>/dev/null; fi
+# the carried cache: KCACHE_DIR (default kernel_cache_in) holds kcache.tgz.* (a split tar.gz)
+kc=${KCACHE_DIR:-kernel_cache_in}
+if [ -d "$kc" ]; then cat "$kc"/kcache.tgz.* 2>/dev/null | tar xzf - 2>/dev/null; fi
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null \
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}; fi
 for spec in "$@"; do

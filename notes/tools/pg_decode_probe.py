@@ -10,6 +10,9 @@ PrefillGraphRunner is captured beside it (and again after it is freed):
 
 --decode-only times the decode graphs alone (any model, Whisper too): is a decode step's time
 on the device (the replay) or on the host (the rest of the step)?
+
+--burst runs 1.5 s of large bf16 GEMMs (no capture) between the first two measurements, then
+captures the prefill graphs: does the slowdown come with heavy work (clocks) or with capture?
 """
 
 from __future__ import annotations
@@ -60,12 +63,27 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128], help="decode batch sizes to time")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill graphs' largest bucket")
     p.add_argument("--decode-only", action="store_true", help="time the decode graphs only (no prefill graphs)")
+    p.add_argument("--burst", action="store_true",
+                   help="before capturing the prefill graphs, run 1.5 s of large GEMMs and measure again")
     a = p.parse_args()
     core = EngineCore(EngineConfig(model=a.model, random_weights=True, device="cuda", dtype="bfloat16",
                                    max_num_seqs=max(a.batch), warmup="off", prefill_graphs="off"))
     measure(core, a.batch, "decode graphs only")
     if a.decode_only:
         return
+    if a.burst:
+        x = torch.randn(8192, 4096, dtype=torch.bfloat16, device=core.device)
+        w = torch.randn(4096, 4096, dtype=torch.bfloat16, device=core.device)
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        while True:
+            for _ in range(20):
+                x @ w
+            ev1.record()
+            ev1.synchronize()
+            if ev0.elapsed_time(ev1) > 1500:
+                break
+        measure(core, a.batch, "after a GEMM burst")
     pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=a.max_num_batched_tokens,
                             capture=True)
     print(f"prefill graphs: {len(pg.sizes)} sizes x {len(pg.layers) + 1} segments, {pg.capture_s:.1f} s, "
