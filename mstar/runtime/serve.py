@@ -115,9 +115,10 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                         "on (every step), decode (only inside the decode graphs), off; auto: off until it "
                         "measures faster.")
     e.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
-                   help="Run one short request at start-up, before the server reports ready, so that first-use "
-                        "kernel builds (FlashInfer's prefill JIT, fla's autotuning) do not land in the first "
-                        "request (Whisper: one second of silence); it leaves no trace (prefix cache, counters, seeds). "
+                   help="Run short requests at start-up, before the server reports ready (one row, then three "
+                        "rows of ragged lengths in one step), so that first-use kernel builds (FlashInfer's prefill "
+                        "JIT, fla's autotuning, Triton's variants per shape class) do not land in served requests "
+                        "(Whisper: one second of silence); it leaves no trace (prefix cache, counters, seeds). "
                         "auto: on CUDA.")
     e.add_argument("--engine-factory", default=None, metavar="MODULE:CALLABLE",
                    help="Advanced: build the engine with this callable(EngineConfig) instead of EngineCore "
