@@ -17,9 +17,9 @@ from mstar.bench import gate_model as gm
 
 VOCAB = 300
 # per-head shapes much smaller than the preset's (the real run keeps head_dim 256, GDN 16 x 128)
-SMALL_HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+SMALL_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 
 
 @pytest.mark.parametrize("rule, lag", [("copy", 3), ("perm", 2), ("perm", 5)])

@@ -112,7 +112,7 @@ class PermLagTask:
     perm: torch.Tensor  # [vocab] long: the identity (rule "copy") or a derangement ("perm")
 
     @classmethod
-    def from_seed(cls, vocab: int, lag: int, seed: int, rule: str = "copy") -> "PermLagTask":
+    def from_seed(cls, vocab: int, lag: int, seed: int, rule: str = "copy") -> PermLagTask:
         if lag < 1:
             raise ValueError("lag must be >= 1")
         if rule == "copy":
@@ -162,11 +162,11 @@ class PermLagTask:
                 "perm": self.perm.tolist()}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "PermLagTask":
+    def from_json(cls, d: dict[str, Any]) -> PermLagTask:
         return cls(int(d["vocab"]), int(d["lag"]), torch.tensor(d["perm"], dtype=torch.long))
 
     @classmethod
-    def load(cls, model_dir: str) -> "PermLagTask":
+    def load(cls, model_dir: str) -> PermLagTask:
         with open(os.path.join(model_dir, TASK_FILE)) as f:
             return cls.from_json(json.load(f)["task"])
 
