@@ -62,6 +62,13 @@ def cross_page_size(max_source_len: int) -> int:
     return max(d for d in range(1, min(64, max_source_len) + 1) if max_source_len % d == 0)
 
 
+def cross_slot_pages(slots, pages_per_slot: int) -> torch.Tensor:
+    """The pages of each slot in the paged view, row after row: slot s holds pages
+    s * pages_per_slot .. s * pages_per_slot + pages_per_slot - 1. [len(slots) * pages_per_slot] int32."""
+    s = torch.as_tensor(slots, dtype=torch.int64).reshape(-1, 1)
+    return (s * pages_per_slot + torch.arange(pages_per_slot)).reshape(-1).to(torch.int32)
+
+
 @dataclass(frozen=True)
 class CrossAttentionSpec:
     """Encoder-decoder models: per request, the encoder output's K/V for every
@@ -174,15 +181,16 @@ class CrossAttentionMetadata:
             pages = -(-int(n) // page_size)
             if not 0 < pages <= pages_per_slot:
                 raise ValueError(f"cross-attention over {n} positions: a slot holds 1..{page_size * pages_per_slot}")
-            for _ in range(int(reps)):
-                idx.extend(range(slot * pages_per_slot, slot * pages_per_slot + pages))
-                lens.append(pages)
-                last.append(int(n) - (pages - 1) * page_size)
+            first = cross_slot_pages([slot], pages_per_slot)[:pages]  # a partial slot: its first pages
+            idx += [first] * int(reps)
+            lens += [pages] * int(reps)
+            last += [int(n) - (pages - 1) * page_size] * int(reps)
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         small_dev = torch.device("cpu") if host_indptr else dev
-        return cls(kv_indptr=indptr.to(small_dev), kv_indices=torch.tensor(idx, dtype=torch.int32).to(dev),
+        indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int32)
+        return cls(kv_indptr=indptr.to(small_dev), kv_indices=indices.to(dev),
                    kv_last_page_len=torch.tensor(last, dtype=torch.int32).to(small_dev))
 
 

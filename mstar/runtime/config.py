@@ -61,9 +61,9 @@ class EngineConfig:
     compile: str = "auto"
     # prefill and mixed steps (prefill_graphs.py): "on" replays piecewise CUDA graphs around the
     # attention / GDN cores at padded token counts (CUDA, decoder-only models, every rank); "auto"
-    # does so on CUDA at tp = 1 (measured there: +5-48% served tok/s at c32-c128 on the H200;
-    # tp > 1 is not measured yet); "static" the same segments and padding without capturing (any
-    # device: CPU tests); "off" the plain forward
+    # does so on CUDA at tp = 1 (measured there on the H200: served tok/s +3-48% at c32-c128, -0.5 to
+    # -4.7% at c8; notes/gpu-2026-11-30-s5.md; tp > 1 is not measured yet); "static" the same
+    # segments and padding without capturing (any device: CPU tests); "off" the plain forward
     prefill_graphs: str = "auto"
     # start-up warm-up (engine_core.py): one short prefill and decode before the engine reports
     # ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at

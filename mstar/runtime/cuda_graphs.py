@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from mstar import ops
-from mstar.models.context import AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata
+from mstar.models.context import (AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata,
+                                  cross_slot_pages)
 from mstar.runtime.decode_plan_cache import DecodeArrayCache
 from mstar.runtime.step_inputs import StepRows, decode_arrays
 
@@ -136,8 +137,7 @@ class DecodeGraphRunner:
                 xp = ops.decode_graph_plan(
                     self.device, batch=b, max_pages=b * n, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
                     head_dim=xa.head_dim, page_size=self.cross_page_size, dtype=model.dtype, scale=xa.scale)
-                pad_pages = (self.pad_cross * n + torch.arange(n, dtype=torch.int32)).repeat(b)
-                xp.plan(torch.arange(b + 1, dtype=torch.int32) * n, pad_pages.to(self.device),
+                xp.plan(torch.arange(b + 1, dtype=torch.int32) * n, cross_slot_pages([self.pad_cross] * b, n).to(self.device),
                         torch.full((b,), self.cross_page_size, dtype=torch.int32))
                 self.cross_plans[b] = xp
                 cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
@@ -249,9 +249,7 @@ class DecodeGraphRunner:
             # every row reads its slot's pages, the whole source: the plan (planned at
             # construction) never changes, only which slot's pages each row reads
             n = self._x_pages
-            x = self._xidx_host.numpy()[:b * n].reshape(b, n)
-            x[:d] = np.asarray(rows.decode_cross or (), dtype=np.int64).reshape(-1, 1) * n + np.arange(n)
-            x[d:b] = self.pad_cross * n + np.arange(n)
+            self._xidx_host[:b * n] = cross_slot_pages(list(rows.decode_cross or ()) + [self.pad_cross] * (b - d), n)
             self.cross_plans[b].indices[:b * n].copy_(self._xidx_host[:b * n], non_blocking=True)
         if not self.has_attention:
             self._mark_staged()

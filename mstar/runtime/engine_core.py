@@ -169,6 +169,7 @@ class EngineCore:
             else:
                 from mstar.runtime.decode_overlap import DecodeOverlap
                 self.overlap = DecodeOverlap(self)
+        self.warm_up_steps = 0  # steps the start-up warm-up ran (_warm_up)
         t_warm = time.perf_counter()
         if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
             self._warm_up()

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from mstar import knobs
-from mstar.models.context import AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata
+from mstar.models.context import (AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata,
+                                  cross_slot_pages)
 from mstar.runtime.cache_manager import stream_generation
 
 
@@ -67,7 +68,6 @@ class StepInputBuilder:
         # a cross slot is read as pages (context.CrossAttentionMetadata); default: one page
         self.cross_page_size = cross_page_size or cross_source_len
         self._x_pages = cross_source_len // self.cross_page_size if cross_source_len else 0  # per slot
-        self._x_offsets = np.arange(self._x_pages, dtype=np.int64)
         self._x_indptr = np.zeros(0, dtype=np.int32)  # host indptr / last-page lengths, grown on demand
         self._x_last = np.zeros(0, dtype=np.int32)
         self.device = torch.device(device)
@@ -145,7 +145,7 @@ class StepInputBuilder:
             slot = np.repeat(np.asarray(list(rows.decode_cross or []) + list(rows.prefill_cross or []),
                                         dtype=np.int64), np.concatenate([np.ones(D, dtype=np.int64), p_qlen]))
             n = self._x_pages
-            x_idx = (slot[:, None] * n + self._x_offsets[None, :]).reshape(-1)
+            x_idx = cross_slot_pages(slot, n).numpy()
             if len(self._x_indptr) < T + 1:
                 m = max(T + 1, 2 * len(self._x_indptr))
                 self._x_indptr = (np.arange(m) * n).astype(np.int32)
