@@ -65,8 +65,8 @@ class EngineConfig:
     # -4.7% at c8; notes/gpu-2026-11-30-s5.md; tp > 1 is not measured yet); "static" the same
     # segments and padding without capturing (any device: CPU tests); "off" the plain forward
     prefill_graphs: str = "auto"
-    # start-up warm-up (engine_core.py): one short prefill and decode before the engine reports
-    # ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at
+    # start-up warm-up (engine_core.py): short prefills (one row, then three ragged rows) and
+    # decodes before the engine reports ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at
     # start-up and not inside the first request (Whisper: one second of silence). "auto": on CUDA
     warmup: str = "auto"
 
