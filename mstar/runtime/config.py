@@ -66,8 +66,9 @@ class EngineConfig:
     # segments and padding without capturing (any device: CPU tests); "off" the plain forward
     prefill_graphs: str = "auto"
     # start-up warm-up (engine_core.py): short prefills (one row, then three ragged rows) and
-    # decodes before the engine reports ready, so first-use kernel builds (FlashInfer's prefill JIT, fla's autotuning) happen at
-    # start-up and not inside the first request (Whisper: one second of silence). "auto": on CUDA
+    # decodes before the engine reports ready, so first-use kernel builds (FlashInfer's prefill
+    # JIT, fla's autotuning, Triton's variants) happen at start-up and not inside a served request
+    # (Whisper: one second of silence). "auto": on CUDA
     warmup: str = "auto"
 
     def __post_init__(self):
