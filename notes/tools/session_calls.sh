@@ -29,7 +29,8 @@ case "${1:-}" in
     g0="timeout 200 $w --server-log \$OUT/whisper.log; timeout 60 python3 notes/tools/pg_decode_probe.py \
 --model whisper-large-v3 --batch 1 4 16 --decode-only; $(serve qwen3.5-4b 8004 8 32 64 128)"
     g1="timeout 200 python3 -m mstar.bench.gate --model .gate_model --out \$OUT/gate-trained.json; \
-timeout 120 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128 --burst"
+timeout 120 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 32 128 --burst; \
+timeout 120 python3 -m pytest -m gpu -q -x tests/test_decode_graphs.py -k whisper"
     run "first:540:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf logs.tgz server-*.log whisper.log \
 && rm -f server-*.log whisper.log; grep -h -v '^INFO' gpu0.log gpu1.log | tail -120"
