@@ -13,6 +13,15 @@ on the device (the replay) or on the host (the rest of the step)?
 
 --burst runs 1.5 s of large bf16 GEMMs (no capture) between the first two measurements, then
 captures the prefill graphs: does the slowdown come with heavy work (clocks) or with capture?
+(Session 6: not clocks; the replays stay ~124 us slower after capture, even once freed.)
+
+--kernels N profiles 20 replays of the first batch size and prints the graph's kernels per
+replay, their summed device time against the replay's span (idle gaps between kernels) and the
+N most expensive: where a decode step's device time goes, and, measured again after the prefill
+graphs are captured, whether kernels got slower or the gaps between them grew.
+
+--pg-sizes K captures only the K smallest prefill graph sizes: does the slowdown grow with the
+number of captured graphs?
 """
 
 from __future__ import annotations
@@ -28,7 +37,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.engine_core import EngineCore
-from mstar.runtime.prefill_graphs import PrefillGraphRunner
+from mstar.runtime.prefill_graphs import PrefillGraphRunner, prefill_sizes
+
+
+def kernels(core, b: int, label: str, top: int) -> None:
+    """The decode graph's kernels for batch `b`, from the profiler (20 replays)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    g = core.graphs.graphs[core.graphs.bucket(b)]
+    reps = 20
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+            torch.cuda.synchronize()  # replays apart: each one's span is its own
+    ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not ks:
+        print(f"{label}: the profiler saw no kernels", flush=True)
+        return
+    per = len(ks) // reps
+    busy = sum(e.time_range.elapsed_us() for e in ks) / reps
+    spans = [ks[i + per - 1].time_range.end - ks[i].time_range.start for i in range(0, per * reps, per)]
+    span = sorted(spans)[len(spans) // 2]
+    print(f"{label:<28} batch {b:>4}: {per} kernels per replay, busy {busy:8.1f} us, span {span:8.1f} us "
+          f"(gaps {span - busy:7.1f} us, {(span - busy) / max(per, 1):.2f} us per kernel)", flush=True)
+    by: dict[str, list[float]] = {}
+    for e in ks:
+        by.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    rows = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, ts in rows:
+        print(f"    {sum(ts) / reps:8.1f} us/replay  {len(ts) / reps:5.1f}x  {sum(ts) / len(ts):7.2f} us each  "
+              f"{name[:110]}", flush=True)
 
 
 def _time(fn, iters: int) -> float:
@@ -63,12 +102,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128], help="decode batch sizes to time")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill graphs' largest bucket")
     p.add_argument("--decode-only", action="store_true", help="time the decode graphs only (no prefill graphs)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="profile the first batch size's decode graph: kernels, gaps and the N most expensive")
+    p.add_argument("--pg-sizes", type=int, default=0, metavar="K",
+                   help="capture only the K smallest prefill graph sizes (default: all)")
     p.add_argument("--burst", action="store_true",
                    help="before capturing the prefill graphs, run 1.5 s of large GEMMs and measure again")
     a = p.parse_args()
     core = EngineCore(EngineConfig(model=a.model, random_weights=True, device="cuda", dtype="bfloat16",
                                    max_num_seqs=max(a.batch), warmup="off", prefill_graphs="off"))
     measure(core, a.batch, "decode graphs only")
+    if a.kernels:
+        kernels(core, a.batch[0], "decode graphs only", a.kernels)
     if a.decode_only:
         return
     if a.burst:
@@ -84,11 +129,14 @@ def main() -> None:
             if ev0.elapsed_time(ev1) > 1500:
                 break
         measure(core, a.batch, "after a GEMM burst")
-    pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=a.max_num_batched_tokens,
-                            capture=True)
+    sizes = prefill_sizes(a.max_num_batched_tokens)
+    top = sizes[min(a.pg_sizes, len(sizes)) - 1] if a.pg_sizes > 0 else sizes[-1]
+    pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=top, capture=True)
     print(f"prefill graphs: {len(pg.sizes)} sizes x {len(pg.layers) + 1} segments, {pg.capture_s:.1f} s, "
           f"{pg.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
     measure(core, a.batch, "with prefill graphs")
+    if a.kernels:
+        kernels(core, a.batch[0], "with prefill graphs", a.kernels)
     del pg
     gc.collect()
     torch.cuda.synchronize()
