@@ -98,12 +98,15 @@ class _FFN:
         return self.fc2(ops.gelu(self.fc1(x), self.gelu_approx))
 
 
-def _split_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
+def _split_qkv(qkv: torch.Tensor, heads: int, head_dim: int, kv_views: bool = False):
+    """q, k, v [T, H, D] from the fused projection. kv_views: k and v stay views of `qkv` (their
+    rows strided): kv_append reads rows at any stride, and two copies per layer go."""
     t, d = qkv.shape[0], heads * head_dim
     q = qkv[:, :d].contiguous().view(t, heads, head_dim)
-    k = qkv[:, d:2 * d].contiguous().view(t, heads, head_dim)
-    v = qkv[:, 2 * d:].contiguous().view(t, heads, head_dim)
-    return q, k, v
+    k, v = qkv[:, d:2 * d], qkv[:, 2 * d:]
+    if not kv_views:
+        k, v = k.contiguous(), v.contiguous()
+    return q, k.view(t, heads, head_dim), v.view(t, heads, head_dim)
 
 
 class EncoderAttention(nn.Module):
@@ -193,7 +196,7 @@ class DecoderSelfAttention(nn.Module):
         return AttentionLayerSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
     def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim)
+        q, k, v = _split_qkv(self.qkv_proj(x), self.num_heads, self.head_dim, kv_views=True)
         o = paged_attention(ctx, q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.out_proj(o.reshape(x.shape[0], -1))
 

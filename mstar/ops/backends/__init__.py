@@ -15,6 +15,7 @@ log = logging.getLogger("mstar.ops")
 # module -> the package it needs
 _MODULES = {
     "mstar.ops.backends.triton_norm": "triton",
+    "mstar.ops.backends.triton_layer_norm": "triton",
     "mstar.ops.backends.triton_elementwise": "triton",
     "mstar.ops.backends.triton_gdn": "triton",
     "mstar.ops.backends.triton_conv1d": "triton",

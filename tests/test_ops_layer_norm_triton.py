@@ -1,0 +1,79 @@
+"""The LayerNorm ops' Triton kernel (mstar/ops/backends/triton_layer_norm.py) against the
+reference and a float64 computation, in Triton's CPU interpreter (tests/triton_interpreter.py):
+rows of widths that are and are not powers of two, inputs that are strided views, with and
+without the residual add, x fp32 / bf16 with weights of x's dtype or fp32.
+
+Tolerances: in fp32 both sides are float32 sums in another order (1e-5 of the output's
+scale). In bf16 the new residual x + r must be one rounding of the exact sum (the interpreter
+casts by truncation, the GPU to nearest: within one bf16 step either way), and the output may
+sit one bf16 step from the reference's (2^-7 of the largest |output|, twice for the truncation)."""
+
+from __future__ import annotations
+
+import torch
+from triton_interpreter import run_interpreted
+
+CASES = [(5, 48), (3, 80), (4, 64), (1, 1280)]  # (rows, width)
+
+
+def inputs(rows, width, dtype, w_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width + 7, generator=g) * 3 + 1).to(dtype)[:, :width]  # row stride width + 7
+    r = (torch.randn(rows, width, generator=g) * 2).to(dtype)
+    w = (1 + 0.3 * torch.randn(width, generator=g)).to(w_dtype)
+    b = (0.2 * torch.randn(width, generator=g)).to(w_dtype)
+    return x, r, w, b
+
+
+_SCRIPT = r"""
+import json, random, torch
+from mstar.ops.layer_norm import fused_add_layer_norm, layer_norm
+from mstar.ops.backends import triton_layer_norm as tl_ln
+from test_ops_layer_norm_triton import CASES, inputs
+out = []
+seed = random.randrange(1 << 30)
+for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
+    for rows, width in CASES:
+        seed += 1
+        x, r, w, b = inputs(rows, width, dtype, w_dtype, seed)
+        ref = layer_norm.backends["reference"].fn(x, w, b, 1e-5)
+        got = tl_ln.layer_norm(x, w, b, 1e-5)
+        ref_y, ref_s = fused_add_layer_norm.backends["reference"].fn(x, r, w, b, 1e-5)
+        got_y, got_s = tl_ln.fused_add_layer_norm(x, r, w, b, 1e-5)
+        # float64: the exact sum, normalised (what both roundings approximate)
+        s64 = x.double() + r.double()
+        y64 = torch.nn.functional.layer_norm(got_s.double(), (width,), w.double(), b.double(), 1e-5)
+        out.append(dict(dtype=str(dtype), rows=rows, width=width, seed=seed,
+                        shape_ok=got.shape == ref.shape and got_y.shape == ref_y.shape and got.dtype == dtype,
+                        d_plain=(got.float() - ref.float()).abs().max().item(),
+                        d_fused=(got_y.float() - ref_y.float()).abs().max().item(),
+                        d_f64=(got_y.double() - y64).abs().max().item(),
+                        d_sum=((got_s.double() - s64).abs() / s64.abs().clamp_min(1e-30)).max().item(),
+                        scale=ref_y.float().abs().max().item()))
+print(json.dumps(out))
+"""
+
+
+def test_triton_layer_norm_in_the_interpreter():
+    rows = run_interpreted(_SCRIPT)
+    assert len(rows) == 3 * len(CASES)
+    for c in rows:
+        assert c["shape_ok"], c
+        if c["dtype"] == "torch.float32":
+            tol = 1e-5 * max(c["scale"], 1.0)
+            assert c["d_plain"] < tol and c["d_fused"] < tol and c["d_f64"] < tol, c
+            assert c["d_sum"] < 1e-6, c
+        else:
+            step = 2.0 ** -7 * c["scale"]
+            assert c["d_plain"] <= 2 * step and c["d_fused"] <= 2 * step, c
+            assert c["d_f64"] <= step, c
+            assert c["d_sum"] <= 2.0 ** -7, c  # one rounding of the exact sum
+
+
+def test_backend_registered_for_cuda_only():
+    import mstar.ops.backends.triton_layer_norm  # noqa: F401 -- registers (imports Triton only)
+    from mstar.ops.layer_norm import fused_add_layer_norm, layer_norm
+    for op in (layer_norm, fused_add_layer_norm):
+        b = op.backends["triton"]
+        assert b.devices == ("cuda",) and b.priority > op.backends["reference"].priority
+        assert op.selected("cpu") == "reference"
