@@ -51,7 +51,7 @@ def r(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_and_elementwise(dtype):
-    for n, h in [(1, 1024), (37, 2560), (300, 1000)]:
+    for n, h in [(1, 1024), (37, 2560), (300, 1000), (3, 1280)]:
         x, res, w = r(n, h, dtype=dtype), r(n, h, dtype=dtype), r(h, dtype=dtype)
         for b in _fast_backends("rms_norm"):
             _check("rms_norm", b, (x, w, 1e-6, True), _tol(dtype))
@@ -60,6 +60,11 @@ def test_norms_and_elementwise(dtype):
             _check("fused_add_rms_norm", b, (x, res, w, 1e-6, True), _tol(dtype))
         for b in _fast_backends("silu_and_mul"):
             _check("silu_and_mul", b, (r(n, 2 * h, dtype=dtype),), _tol(dtype))
+        bias = r(h, dtype=dtype)
+        for b in _fast_backends("layer_norm"):  # Whisper's (d 1280); a strided x too
+            _check("layer_norm", b, (r(n, h + 8, dtype=dtype)[:, :h], w, bias, 1e-5), _tol(dtype))
+        for b in _fast_backends("fused_add_layer_norm"):
+            _check("fused_add_layer_norm", b, (x, res, w, bias, 1e-5), _tol(dtype))
     z = r(64 * 16, 128, dtype=dtype)
     for b in _fast_backends("gated_rms_norm"):
         _check("gated_rms_norm", b, (r(64 * 16, 128, dtype=dtype), z, r(128, dtype=dtype), 1e-6), _tol(dtype))
