@@ -28,6 +28,9 @@ took the same time and the gaps between them grew from 0.12 to 0.49 us per kerne
 captures one small unrelated graph and measures again. Fast again after recapture means the
 capture order is the fix (decode graphs last); slow again after the small graph means the
 most recently captured graph is the fast one.
+
+--engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
+times its decode graphs: the served configuration.
 """
 
 from __future__ import annotations
@@ -112,13 +115,21 @@ def main() -> None:
                    help="profile the first batch size's decode graph: kernels, gaps and the N most expensive")
     p.add_argument("--pg-sizes", type=int, default=0, metavar="K",
                    help="capture only the K smallest prefill graph sizes (default: all)")
+    p.add_argument("--engine-pg", action="store_true",
+                   help="the engine captures its prefill graphs itself (its order); time its decode graphs")
     p.add_argument("--recapture", action="store_true",
                    help="after the prefill graphs: recapture the decode graphs, then one small graph; measure each")
     p.add_argument("--burst", action="store_true",
                    help="before capturing the prefill graphs, run 1.5 s of large GEMMs and measure again")
     a = p.parse_args()
     core = EngineCore(EngineConfig(model=a.model, random_weights=True, device="cuda", dtype="bfloat16",
-                                   max_num_seqs=max(a.batch), warmup="off", prefill_graphs="off"))
+                                   max_num_seqs=max(a.batch), warmup="off",
+                                   prefill_graphs="auto" if a.engine_pg else "off"))
+    if a.engine_pg:
+        measure(core, a.batch, "engine with prefill graphs")
+        if a.kernels:
+            kernels(core, a.batch[0], "engine with prefill graphs", 5)
+        return
     measure(core, a.batch, "decode graphs only")
     if a.kernels:
         kernels(core, a.batch[0], "decode graphs only", a.kernels)
