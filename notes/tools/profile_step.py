@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from mstar import LLM  # noqa: E402
-from mstar.runtime.request import EngineRequest, SamplingParams  # noqa: E402
+from mstar import LLM
+from mstar.runtime.request import EngineRequest, SamplingParams
 
 
 def _requests(n: int, length: int, vocab: int, tag: str, max_tokens: int) -> list[EngineRequest]:

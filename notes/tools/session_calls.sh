@@ -35,6 +35,20 @@ timeout 120 python3 -m pytest -m gpu -q -x tests/test_decode_graphs.py -k whispe
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf logs.tgz server-*.log whisper.log \
 && rm -f server-*.log whisper.log; grep -h -v '^INFO' gpu0.log gpu1.log | tail -120"
     ;;
+  whisper)  # session 6, call 3 (two H200s, ~8 min): Whisper after the Triton LayerNorm; the capture-order fix
+    export PACK_CACHE=1  # bring FlashInfer's head_dim 64 prefill module back (no carried cache has it)
+    w="python3 -m mstar.bench.whisper --launch --model whisper-large-v3 --results-dir \$OUT"
+    p="python3 notes/tools/pg_decode_probe.py"
+    g0="timeout 100 $p --model whisper-large-v3 --batch 1 4 16 --decode-only --kernels 12; \
+timeout 280 $w --server-log \$OUT/whisper.log; \
+timeout 120 python3 -m pytest -m gpu -q tests/test_gpu_backends.py tests/test_decode_graphs.py -k 'norms or whisper'; \
+timeout 150 python3 notes/tools/profile_whisper_step.py --model whisper-large-v3 --rows 1 --clip-seconds 10 --decode-steps 20"
+    g1="timeout 120 $p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg --kernels 5; \
+timeout 120 $p --model qwen3.5-0.8b --batch 8 --pg-sizes 1 --recapture --kernels 5; $(serve qwen3.5-0.8b 8001 8 32 64 128)"
+    run "whisper:570:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf logs.tgz server-*.log whisper.log \
+&& rm -f server-*.log whisper.log; grep -h -v '^INFO' gpu0.log gpu1.log | grep -v '^ *[0-9.]* *[0-9.]* *[0-9.]*%' | tail -150"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
