@@ -97,14 +97,14 @@ def test_rotary_and_kv_append(dtype):
 
 
 def _paged(lens, page, hkv, d, dtype):
-    n_pages = sum((l + page - 1) // page for l in lens) + 3
+    n_pages = sum((n + page - 1) // page for n in lens) + 3
     kc, vc = r(n_pages, page, hkv, d, dtype=dtype), r(n_pages, page, hkv, d, dtype=dtype)
     perm = torch.randperm(n_pages, device=DEV).to(torch.int32)
     indptr, used = [0], 0
-    for l in lens:
-        used += (l + page - 1) // page
+    for n in lens:
+        used += (n + page - 1) // page
         indptr.append(used)
-    last = [l - (l - 1) // page * page for l in lens]
+    last = [n - (n - 1) // page * page for n in lens]
     return (kc, vc, torch.tensor(indptr, dtype=torch.int32, device=DEV), perm[:used].contiguous(),
             torch.tensor(last, dtype=torch.int32, device=DEV))
 

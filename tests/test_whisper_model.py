@@ -107,7 +107,8 @@ class WhisperHarness(Harness):
         perm = torch.randperm(n, generator=gen).tolist()
         self.cross_slots = {s: perm[s] for s in range(max_seqs)}
         self.source_len = cross.max_source_len
-        shape = lambda a: (n, cross.max_source_len, a.num_kv_heads, a.head_dim)
+        def shape(a):
+            return (n, cross.max_source_len, a.num_kv_heads, a.head_dim)
         self.caches.cross_k_caches = [torch.randn(shape(a), generator=gen) for a in cross.layers]
         self.caches.cross_v_caches = [torch.randn(shape(a), generator=gen) for a in cross.layers]
         model.bind_caches(self.caches)

@@ -5,7 +5,7 @@ reference and any faster backends registered for it. See registry.py. Each op mo
 lists its public ops in `__all__`.
 """
 
-from mstar.ops.registry import (all_ops, format_table, get, register_backend, reset_verify_report,
+from mstar.ops.registry import (all_ops, format_table, get, register_backend, reset_verify_report,  # noqa: F401
                                 validate_selection, verify_report)
 from mstar.ops.norm import *  # noqa: F401,F403
 from mstar.ops.activation import *  # noqa: F401,F403

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 
 log = logging.getLogger("mstar.runtime")
 

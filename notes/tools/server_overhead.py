@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from mstar.bench import serve as bench
+from mstar.bench import serve as bench  # noqa: E402 -- after the sys.path insert
 
 _READY = re.compile(r"mstar is serving \S+ at (http://\S+) ")
 _TICK = os.sysconf("SC_CLK_TCK")
