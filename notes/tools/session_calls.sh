@@ -49,6 +49,18 @@ timeout 120 $p --model qwen3.5-0.8b --batch 8 --pg-sizes 1 --recapture --kernels
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf logs.tgz server-*.log whisper.log \
 && rm -f server-*.log whisper.log; grep -h -v '^INFO' gpu0.log gpu1.log | grep -v '^ *[0-9.]* *[0-9.]* *[0-9.]*%' | tail -150"
     ;;
+  final)  # session 6, call 4 (two H200s, ~9 min): GPU 0 the gate on the trained checkpoint; GPU 1 the knobs' A/B.
+    # Carry .gpu (CuTe xz aside), kernel_cache_slim, .gate_model (no server here: no .whl)
+    export KCACHE_DIR=kernel_cache_slim
+    off="python3 -m mstar.bench.offline --model qwen3.5-0.8b --random-weights --one-engine --concurrency 8 32 128 \
+--out \$OUT/ab.jsonl"
+    g1="for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
+'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8 ''; do \
+echo \"== knobs: \$k\"; env \$k timeout 100 $off 2>&1 | grep -v '^INFO'; done; timeout 150 $off --compile decode 2>&1 | grep -v '^INFO'"
+    run "final:560:(export CUDA_VISIBLE_DEVICES=0; timeout 540 python3 -m mstar.bench.gate --model .gate_model \
+--out \$OUT/gate-trained.json) > \$OUT/gpu0.log 2>&1 & (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & \
+wait; grep -h -v '^INFO' \$OUT/gpu0.log \$OUT/gpu1.log | tail -120"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
