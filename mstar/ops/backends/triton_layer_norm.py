@@ -13,6 +13,7 @@ import triton.language as tl
 
 from mstar.ops.layer_norm import fused_add_layer_norm as fused_add_layer_norm_op
 from mstar.ops.layer_norm import layer_norm as layer_norm_op
+from mstar.ops.backends.triton_norm import load_row, row_buffers
 from mstar.ops.registry import register_backend
 
 
@@ -26,14 +27,7 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_col
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        # the new residual is rounded to the activation dtype, as the reference's x + residual is,
-        # and normalised as rounded
-        x_r = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
-        x = x_r.to(tl.float32)
+    x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride, HAS_RES)
     mean = tl.sum(x, axis=0) / n_cols
     d = tl.where(mask, x - mean, 0.0)
     var = tl.sum(d * d, axis=0) / n_cols  # two passes over registers: no cancellation
@@ -43,17 +37,9 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_col
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _launch(x, residual, weight, bias, eps):
-    x2 = _rows(x)
+    x2, r2, out, res_out = row_buffers(x, residual)
     n, h = x2.shape
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
-    r2 = _rows(residual) if residual is not None else x2
     if n:
         block = triton.next_power_of_2(h)
         _layer_norm_kernel[(n,)](x2, r2, weight, bias, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0),

@@ -16,18 +16,26 @@ def _cuda() -> bool:
 
 
 @triton.jit
+def load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride,
+             HAS_RES: tl.constexpr):
+    """A row of x in float32; with a residual, x + residual, stored as the new residual rounded
+    to the activation dtype (as the reference's x + residual is) and returned as rounded."""
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x_r = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
+        x = x_r.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
                      eps, ZERO_CENTERED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        # the new residual is rounded to the activation dtype, as the reference's x + residual is
-        x_r = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
-        x = x_r.to(tl.float32)
+    x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride, HAS_RES)
     var = tl.sum(x * x, axis=0) / n_cols
     y = x * tl.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -43,12 +51,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_rms(x, residual, weight, eps, zero_centered):
+def row_buffers(x: torch.Tensor, residual: torch.Tensor | None):
+    """A row-wise norm's operands as 2-D rows and its outputs: (x2, r2, out, res_out); without
+    a residual, r2 is x2 and res_out is out (the kernels' HAS_RES=False never touch them)."""
     x2 = _rows(x)
-    n, h = x2.shape
-    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     r2 = _rows(residual) if residual is not None else x2
+    return x2, r2, out, res_out
+
+
+def _launch_rms(x, residual, weight, eps, zero_centered):
+    x2, r2, out, res_out = row_buffers(x, residual)
+    n, h = x2.shape
     if n:
         block = triton.next_power_of_2(h)
         _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0), eps,

@@ -1,5 +1,6 @@
 """The LayerNorm ops' Triton kernel (mstar/ops/backends/triton_layer_norm.py) against the
-reference and a float64 computation, in Triton's CPU interpreter (tests/triton_interpreter.py):
+reference and a float64 computation, and the RMSNorm kernels that share its row load
+(triton_norm.py) against their reference, in Triton's CPU interpreter (tests/triton_interpreter.py):
 rows of widths that are and are not powers of two, inputs that are strided views, with and
 without the residual add, x fp32 / bf16 with weights of x's dtype or fp32.
 
@@ -29,7 +30,9 @@ _SCRIPT = r"""
 import json, random, torch
 from mstar.ops.layer_norm import fused_add_layer_norm, layer_norm
 from mstar.ops.backends import triton_layer_norm as tl_ln
-from test_ops_layer_norm_triton import CASES, inputs
+from mstar.ops.backends import triton_norm as tn
+from mstar.ops import norm
+from test_ops_norm_triton import CASES, inputs
 out = []
 seed = random.randrange(1 << 30)
 for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
@@ -50,13 +53,29 @@ for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bf
                         d_f64=(got_y.double() - y64).abs().max().item(),
                         d_sum=((got_s.double() - s64).abs() / s64.abs().clamp_min(1e-30)).max().item(),
                         scale=ref_y.float().abs().max().item()))
+        for zc in (True, False):  # RMSNorm, plain and fused add, through the shared row load
+            ry, rs = norm.fused_add_rms_norm.backends["reference"].fn(x, r, w, 1e-6, zc)
+            gy, gs = tn.fused_add_rms_norm(x, r, w, 1e-6, zc)
+            rp, gp = norm.rms_norm.backends["reference"].fn(x, w, 1e-6, zc), tn.rms_norm(x, w, 1e-6, zc)
+            out.append(dict(rms=True, dtype=str(dtype), seed=seed, zc=zc,
+                            d_y=max((gy.float() - ry.float()).abs().max().item(), (gp.float() - rp.float()).abs().max().item()),
+                            d_s=(gs.float() - rs.float()).abs().max().item(),
+                            scale=max(ry.float().abs().max().item(), rp.float().abs().max().item(), 1.0),
+                            s_scale=rs.float().abs().max().item()))
 print(json.dumps(out))
 """
 
 
 def test_triton_layer_norm_in_the_interpreter():
-    rows = run_interpreted(_SCRIPT)
-    assert len(rows) == 3 * len(CASES)
+    got = run_interpreted(_SCRIPT)
+    rms = [c for c in got if c.get("rms")]
+    rows = [c for c in got if not c.get("rms")]
+    assert len(rows) == 3 * len(CASES) and len(rms) == 2 * len(rows)
+    for c in rms:
+        if c["dtype"] == "torch.float32":
+            assert c["d_y"] < 1e-5 * c["scale"] and c["d_s"] == 0.0, c
+        else:  # one bf16 step (twice for the interpreter's truncating casts)
+            assert c["d_y"] <= 2 * 2.0 ** -7 * c["scale"] and c["d_s"] <= 2.0 ** -7 * c["s_scale"], c
     for c in rows:
         assert c["shape_ok"], c
         if c["dtype"] == "torch.float32":
