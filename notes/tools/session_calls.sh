@@ -57,8 +57,10 @@ timeout 120 $p --model qwen3.5-0.8b --batch 8 --pg-sizes 1 --recapture --kernels
     g1="for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8 ''; do \
 echo \"== knobs: \$k\"; env \$k timeout 100 $off 2>&1 | grep -v '^INFO'; done; timeout 150 $off --compile decode 2>&1 | grep -v '^INFO'"
-    run "final:560:(export CUDA_VISIBLE_DEVICES=0; timeout 540 python3 -m mstar.bench.gate --model .gate_model \
---out \$OUT/gate-trained.json) > \$OUT/gpu0.log 2>&1 & (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & \
+    g0="timeout 60 python3 -m pytest -m gpu -q tests/test_gpu_backends.py -k norms; \
+timeout 400 python3 -m mstar.bench.gate --model .gate_model --out \$OUT/gate-trained.json; \
+timeout 70 python3 notes/tools/pg_decode_probe.py --model qwen3.5-4b --batch 8 --decode-only --kernels 20"
+    run "final:560:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & \
 wait; grep -h -v '^INFO' \$OUT/gpu0.log \$OUT/gpu1.log | tail -120"
     ;;
   ab)
