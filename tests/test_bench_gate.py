@@ -14,10 +14,13 @@ from mstar.bench import gate
 SMALL = ["--device", "cpu", "--dtype", "float32", "--num-prompts", "6", "--prompt-len", "8", "64",
          "--max-tokens", "6"]
 TOP_FIELDS = {"bench", "model", "dtype", "device", "gpu", "commit", "date", "num_prompts", "prompt_len",
-              "max_tokens", "batch_sizes", "tie_tol", "levels", "fixed_8", "stop", "backends", "pass"}
+              "max_tokens", "batch_sizes", "tie_tol", "logprob_tol", "logprob_hf_factor", "logprob_positions",
+              "logprob_top", "levels", "fixed_8", "stop", "backends", "pass"}
 LEVEL_FIELDS = {"n", "num_prompts", "exact_match", "first_token_agree", "first_token_agree_with_ties",
                 "mean_common_prefix", "diverged", "near_ties", "max_gap", "divergences", "first_vs_fp32",
-                "mstar_wall_s", "hf_wall_s", "pass"}
+                "mstar_wall_s", "hf_wall_s", "logprob", "pass"}
+LOGPROB_FIELDS = {"max_diff", "prompt", "pos", "token", "mstar", "referee", "max_diff_by_pos", "checked", "tol",
+                  "tol_floor", "hf_max_diff", "pass"}
 
 
 @pytest.mark.parametrize("model, extra", [("tiny-qwen3.5", []), ("tiny-qwen3", ["--hf-single"])])
@@ -40,6 +43,9 @@ def test_gate_passes_in_fp32(model, extra, tmp_path, capsys, monkeypatch):
         assert lv["diverged"] == 0 and lv["mean_common_prefix"] == 6.0
         assert lv["first_vs_fp32"]["mstar"]["agree"] == 6
         assert lv["mstar_wall_s"] > 0 and lv["hf_wall_s"] > 0 and lv["pass"]
+        lp = lv["logprob"]
+        assert LOGPROB_FIELDS <= set(lp) and lp["pass"] and lp["checked"] == 6 * r["logprob_positions"]
+        assert lp["max_diff"] < r["logprob_tol"] / 10  # fp32 on the CPU: ~1e-5
     f8 = r["fixed_8"]
     assert f8["pass"] and f8["all_len_8"] and f8["exact_match"] == 6
     st = r["stop"]
@@ -58,6 +64,7 @@ def test_gate_fails_when_an_mstar_weight_is_perturbed(tmp_path, capsys):
     assert not r["pass"] and not lv["pass"] and not r["fixed_8"]["pass"]
     assert lv["first_token_agree"] < 6 and lv["near_ties"] < lv["diverged"]
     assert lv["max_gap"] > 1.0  # the referee ranks the perturbed model's tokens far down
+    assert not lv["logprob"]["pass"] and lv["logprob"]["max_diff"] > 10 * r["logprob_tol"]
 
 
 class _FakeHF:

@@ -37,6 +37,59 @@ A real bug picks tokens the referee ranks far down: one perturbed weight in the 
 gives gaps of 3.6-4.9. Hence the default tolerance: 1.0 in bf16 (0.5 fp16, 0.01 fp32). Per N
 the table also gives how many first tokens of mstar and of HF equal the referee's argmax.
 
+Logprobs. Tokens show only the argmax; on a trained model with wide margins (.gate_model, from
+mstar.bench.gate_model: first-token margins >= 13.5 logits) a badly perturbed weight moves the
+logits off the argmax by whole units and leaves every greedy token in place. So per N, after
+the timed run, mstar runs the prompts again with logprobs=20 for `--logprob-positions` P (4)
+tokens: a run of its own (the timed run stays on the plain-greedy path), from an emptied prefix
+cache (its first tokens come from a full prefill, as the timed run's did). At output position
+0 and each later one < P whose preceding tokens are HF's, mstar's logprobs of its token and of
+its top-20 ids are compared with the log_softmax of the referee's fp32 logits of the same
+context (next_logits: cached; position 0 is the context first_vs_fp32 already ran, and every
+context is shared by the levels); a referee top-20 id absent from mstar's list counts
+(referee's - mstar's last listed), a lower bound of its difference. Reported per level (JSON
+"logprob"; table column dlp): the largest |difference| (max_diff, with prompt, pos, token, both
+values, listed: false where it is such a bound; max_diff_by_pos), and, as the yardstick, HF's
+own (hf_max_diff: HF's model in the run dtype, each context alone, at its own tokens against
+the same referee; none in fp32 on the CPU, where HF is the referee). The level fails when max_diff > max(`--logprob-tol`,
+`--logprob-hf-factor` K x HF's own): floors 0.01 in fp32, 0.25 in bf16, 0.05 in fp16; K 2.5.
+Cost on the CPU, .gate_model in bf16, 64 prompts: 32 s at the first N (the referee's and HF's
+forwards of positions 1-3, and HF's of position 0), 5-8 s at the others (cached), beside timed
+runs of 10-18 s; with P 1 the referee's logits are all first_vs_fp32's.
+
+Measured on the CPU (16 prompts, N 1 and 8, P 4; equal at both N). Unperturbed: fp32 <= 1e-5
+on both models. bf16: .gate_model 0.095 (0.098 at 64 prompts, N 1/8/32; HF's own 0.101);
+tiny-qwen3.5 0.27 / 0.08 / 0.10 at seeds 0 / 1 / 2 (HF's own 0.30 / 0.23 / 0.09); random
+qwen3.5-0.8b 0.29 (8 prompts, HF's own 0.26). fp16: .gate_model 0.011, tiny-qwen3.5 0.009 (HF's
+0.012, 0.017). bf16 rounding costs HF as much as mstar: on .gate_model mostly the rounding of
+the logits themselves (|logit| ~ 16, bf16 steps of 0.125), on random models the hidden
+states'. A fixed bf16 tolerance with headroom over random models' 0.3 (say 0.75) would also
+miss .gate_model's final norm and qkv_proj below; hence the floor plus K x HF's own. Not
+measured: CUDA (the HF term follows whatever HF's kernels cost there), perturbations in fp16.
+Perturbed (--perturb-weight: noise of the weight's own std + 0.1; names as
+llm.engine.model.named_parameters() gives them, prefix model.), .gate_model, --strict,
+max_diff in fp32 / bf16:
+  layers.0.linear_attn.in_proj_qkv 23.6 / 23.6   layers.0.linear_attn.out_proj  18.4 / 18.4
+  layers.0.linear_attn.conv1d      17.2 / 17.2   layers.0.mlp.gate_up_proj       4.81 / 4.78
+  layers.2.linear_attn.out_proj    4.48 / 4.51   layers.3.mlp.gate_up_proj       4.37 / 4.40
+  layers.2.linear_attn.in_proj_zba 2.62 / 2.62   layers.3.mlp.down_proj          2.02 / 1.96
+  layers.0.mlp.down_proj           1.37 / 1.40   layers.2.linear_attn.conv1d     1.01 / 0.99
+  layers.3.self_attn.o_proj        0.97 / 0.94   layers.0.linear_attn.norm       0.83 / 0.82
+  layers.3.self_attn.qkv_proj      0.73 / 0.72   norm (the final one)            0.53 / 0.57
+  layers.3.input_layernorm         0.12 / 0.17   layers.1.linear_attn.A_log      0.097 / 0.18
+  layers.3.self_attn.q_norm        0.033 / 0.10
+The token check fails only the first (layer 0's in_proj_qkv). With the logprob check the gate
+fails all 17 in fp32 (the smallest, q_norm, at 3x the 0.01 floor; noise 1e-5) and 14 in bf16,
+all but the last three (tolerance max(0.25, 2.5 x 0.101): 2.3x under the final norm's 0.57,
+2.6x over the 0.095 noise). In bf16 it cannot tell layer 3's input_layernorm and q_norm and
+layer 1's A_log from rounding: 0.10-0.18, 1-2x the noise. The differences are about the same at
+positions 0-3 (position 0 alone catches the same set); the later ones cover the decode path.
+tiny-qwen3.5, 11 of these names: fp32 catches all (0.025-0.83, noise 1e-5); bf16 (tolerance
+2.5 x 0.30 = 0.74) only layer 0's conv1d and out_proj (0.79, 0.83): the others, 0.27-0.71, are
+within 2.5x of HF's own rounding. Its token check fails unperturbed in bf16 already (seed 0: 2
+of 14 divergences at gaps 2.3 and 2.7 > 1.0, HF's tokens at 0.0): in bf16 a random tiny model
+is no test of either check.
+
 Fixed checks, with the engine of the largest N (prompts already in its prefix cache):
   fixed-8: max_tokens=8, ignore_eos: every output exactly 8 tokens, finish_reason "length",
     equal to HF's first 8 (divergences only at near-ties).
@@ -47,7 +100,8 @@ Fixed checks, with the engine of the largest N (prompts already in its prefix ca
     occurrence, the id kept in token_ids and left out of the text.
 
 Exit status 0 when every level and both fixed checks pass, else 1. A level passes when every
-output has max_tokens tokens and every divergence is a near-tie; `--strict` instead asks for
+output has max_tokens tokens, every divergence is a near-tie and its logprob check passes
+(`--logprob-positions 0`: no logprob check); `--strict` instead of the near-ties asks for
 complete first-token agreement at every N and fixed-8 equal to HF token for token (use it in
 fp32, where no tie is closer than rounding). A compact table is printed; `--out` gets one JSON
 object (commit, date, device, dtype, every level's numbers and divergences, the fixed checks).
@@ -81,6 +135,9 @@ import torch
 from mstar.bench.serve import git_commit
 
 DEFAULT_TIE_TOL = {torch.float32: 0.01, torch.bfloat16: 1.0, torch.float16: 0.5}
+DEFAULT_LOGPROB_TOL = {torch.float32: 0.01, torch.bfloat16: 0.25, torch.float16: 0.05}
+DEFAULT_LOGPROB_HF_FACTOR = 2.5
+LOGPROB_TOP = 20  # mstar's top ids per position in the logprob check (SamplingParams.MAX_LOGPROBS)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -216,6 +273,7 @@ class HFReference:
             pad = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) or 0
         self.pad = int(pad)
         self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+        self._own: dict[tuple[int, ...], Any] = {}
 
     def generate(self, prompts: list[list[int]], max_new: int, batch: int) -> tuple[list[list[int]], float]:
         """Greedy outputs (eos ignored) in batches of `batch` prompts, left-padded; wall seconds."""
@@ -251,6 +309,20 @@ class HFReference:
                 x = torch.tensor([ids], device=self.device)
                 self._logits[key] = self.referee(input_ids=x).logits[0, -1].float().cpu()
         return self._logits[key]
+
+    def own_logprobs(self, ids: list[int], token: int, top: int):
+        """HF's own logprobs after `ids` (the sequence alone; the model in the run dtype, on the
+        path its generate takes) as mstar reports them: TokenLogprobs of `token` and the top
+        `top`. The logprob check's yardstick: how far HF itself is from the referee."""
+        from mstar.runtime.request import TokenLogprobs
+        key = (*ids, -1, token, top)
+        if key not in self._own:
+            with torch.inference_mode(), torch_only_reference(self.cpu):
+                x = torch.tensor([ids], device=self.device)
+                lp = torch.log_softmax(self.model(input_ids=x).logits[0, -1].float(), dim=-1).cpu()
+            v, i = torch.topk(lp, min(top, lp.numel()))
+            self._own[key] = TokenLogprobs(float(lp[token]), i.tolist(), v.tolist())
+        return self._own[key]
 
     def gap(self, ids: list[int], token: int) -> float:
         """(max logit - logit of `token`) / std of the logits, after `ids`, by the referee: 0
@@ -309,6 +381,85 @@ def first_vs_referee(prompts: list[list[int]], outs: list[list[int]], hf: HFRefe
     same yardstick for mstar and for HF in the run dtype."""
     gaps = [hf.gap(p, o[0]) for p, o in zip(prompts, outs) if o]
     return {"agree": sum(g == 0.0 for g in gaps), "max_gap": round(max(gaps), 4) if gaps else None}
+
+
+def logprob_check(prompts: list[list[int]], toks: list[list[int]], lps: list[list[Any]], ref: list[list[int]],
+                  hf: HFReference, positions: int, tol: float) -> dict[str, Any]:
+    """mstar's logprobs against the fp32 referee's log_softmax at the same token ids.
+
+    toks[i] / lps[i]: the tokens of prompt i and their TokenLogprobs (the token's logprob,
+    top_ids / top_logprobs), mstar's (or HF's own, for the yardstick). Checked: output positions j < `positions` while the
+    tokens before j are HF's (ref[i][:j]: the same contexts the divergence judge uses; position
+    0 always), each against hf.next_logits(prompt + tokens[:j]) (cached, shared by the levels).
+    Per position the difference is the largest |mstar - referee| over the token and mstar's
+    top ids; a referee top id that mstar leaves out of its list (it puts it at or below its
+    last listed logprob) adds referee - last listed, a lower bound of its difference. Returns
+    the largest difference, where it is, and pass (<= tol)."""
+    worst: dict[str, Any] = {"max_diff": 0.0}
+    checked = 0
+    by_pos = [0.0] * positions
+    for i, (p, t, lp, r) in enumerate(zip(prompts, toks, lps, ref)):
+        for j in range(min(positions, len(t), len(lp or []))):
+            if t[:j] != r[:j]:
+                break
+            ref_lp = torch.log_softmax(hf.next_logits(p + t[:j]).double(), dim=-1)
+            e = lp[j]
+            ids = [t[j], *e.top_ids]
+            vals = [e.logprob, *e.top_logprobs]
+            checked += 1
+            for tid, v in zip(ids, vals):
+                d = abs(v - float(ref_lp[tid]))
+                by_pos[j] = max(by_pos[j], d)
+                if d > worst["max_diff"]:
+                    worst = {"max_diff": d, "prompt": i, "pos": j, "token": tid, "mstar": v,
+                             "referee": float(ref_lp[tid]), "listed": True}
+            if e.top_ids and len(e.top_ids) < ref_lp.numel():
+                floor = min(e.top_logprobs)
+                listed = set(e.top_ids)
+                top_ref = torch.topk(ref_lp, len(e.top_ids))
+                for rv, tid in zip(top_ref.values.tolist(), top_ref.indices.tolist()):
+                    if tid in listed:
+                        continue
+                    by_pos[j] = max(by_pos[j], rv - floor)
+                    if rv - floor > worst["max_diff"]:
+                        worst = {"max_diff": rv - floor, "prompt": i, "pos": j, "token": tid, "mstar": floor,
+                                 "referee": rv, "listed": False}
+    for k in ("max_diff", "mstar", "referee"):
+        if k in worst:
+            worst[k] = round(worst[k], 6)
+    return {**worst, "max_diff_by_pos": [round(d, 6) for d in by_pos], "checked": checked, "positions": positions,
+            "tol": tol, "pass": checked > 0 and worst["max_diff"] <= tol}
+
+
+def hf_logprob_diff(prompts: list[list[int]], ref: list[list[int]], hf: HFReference, positions: int) -> float | None:
+    """HF's own largest difference from the referee: logprob_check on HF's tokens with HF's
+    logprobs in the run dtype (hf.own_logprobs, each sequence alone). None where HF is the
+    referee (fp32 on the CPU: the same computation)."""
+    if hf.model is hf.referee and hf.cpu:
+        return None
+    toks = [r[:positions] for r in ref]
+    lps = [[hf.own_logprobs(p + t[:j], t[j], LOGPROB_TOP) for j in range(len(t))] for p, t in zip(prompts, toks)]
+    return logprob_check(prompts, toks, lps, ref, hf, positions, math.inf)["max_diff"]
+
+
+def check_logprobs(llm, prompts: list[list[int]], ref: list[list[int]], hf: HFReference, positions: int,
+                   tol: float, hf_factor: float) -> dict[str, Any]:
+    """One level's logprob check. mstar's greedy run of `positions` tokens with logprobs=LOGPROB_TOP
+    (a run of its own, so the timed run stays on the plain-greedy path; from an empty prefix
+    cache, so its first tokens come from a full prefill as the timed run's did), judged by
+    logprob_check against the tolerance max(tol, hf_factor * HF's own difference)."""
+    from mstar import SamplingParams
+    reset = getattr(llm.engine, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=positions, temperature=0.0, ignore_eos=True,
+                                                logprobs=LOGPROB_TOP))
+    hf_diff = hf_logprob_diff(prompts, ref, hf, positions)
+    eff = tol if hf_diff is None else max(tol, round(hf_factor * hf_diff, 6))
+    res = logprob_check(prompts, [list(o.token_ids) for o in outs], [o.logprobs for o in outs], ref, hf, positions,
+                        eff)
+    res.update(hf_max_diff=hf_diff, tol_floor=tol, hf_factor=hf_factor)
+    return res
 
 
 def _level_pass(c: dict[str, Any], strict: bool) -> bool:
@@ -469,6 +620,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tie-tol", type=float, default=None,
                     help="largest gap (stds of the fp32 referee's logits) of a near-tie; default "
                          "1.0 in bf16, 0.5 in fp16, 0.01 in fp32")
+    ap.add_argument("--logprob-tol", type=float, default=None,
+                    help="logprob check: the floor of the tolerance on |mstar's logprob - the fp32 referee's| "
+                         "(nats) at mstar's token and top-20 ids; default 0.25 in bf16, 0.05 in fp16, 0.01 in fp32")
+    ap.add_argument("--logprob-hf-factor", type=float, default=DEFAULT_LOGPROB_HF_FACTOR, metavar="K",
+                    help="logprob check: the tolerance is max(--logprob-tol, K x HF's own largest difference "
+                         "from the referee); 0: --logprob-tol alone (default 2.5)")
+    ap.add_argument("--logprob-positions", type=int, default=4, metavar="P",
+                    help="logprob check: output positions per prompt (the first always; the later ones while "
+                         "mstar's tokens are HF's); 0: no logprob check")
     ap.add_argument("--strict", action="store_true",
                     help="pass only with complete first-token agreement and fixed-8 equal to HF")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
@@ -484,6 +644,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--prompt-len: need 1 <= LO <= HI")
     if args.num_prompts < 1 or args.max_tokens < 1 or min(args.batch_sizes) < 1:
         ap.error("--num-prompts, --max-tokens and --batch-sizes must be positive")
+    if args.logprob_positions < 0 or args.logprob_hf_factor < 0:
+        ap.error("--logprob-positions and --logprob-hf-factor must be >= 0")
     return args
 
 
@@ -510,6 +672,8 @@ def run(args) -> dict[str, Any]:
         dtype = _DTYPES[args.dtype]  # parse_args checked the name
     dtype_name = str(dtype).removeprefix("torch.")
     tie_tol = DEFAULT_TIE_TOL.get(dtype, 0.5) if args.tie_tol is None else args.tie_tol
+    lp_tol = DEFAULT_LOGPROB_TOL.get(dtype, 0.25) if args.logprob_tol is None else args.logprob_tol
+    lp_pos = args.logprob_positions
     sizes = list(args.batch_sizes)
     T = args.max_tokens
     lo, hi = args.prompt_len
@@ -578,11 +742,19 @@ def run(args) -> dict[str, Any]:
                 c.update(n=n, mstar_wall_s=round(wall, 3), hf_wall_s=round(hf_wall, 3),
                          hf_batch=1 if args.hf_single else n,
                          finish_length=sum(o.finish_reason == "length" for o in outs))
-                c["pass"] = _level_pass(c, args.strict) and c["finish_length"] == len(prompts)
+                lp_note = ""
+                if lp_pos:
+                    t1 = time.perf_counter()
+                    lp = c["logprob"] = check_logprobs(llm, prompts, ref, hf, lp_pos, lp_tol, args.logprob_hf_factor)
+                    lp_note = (f"; logprob check {time.perf_counter() - t1:.1f} s: max |diff| {lp['max_diff']:.3g} "
+                               f"(HF's own {_fmt_num(lp['hf_max_diff'])}, tol {lp['tol']:.3g}) over "
+                               f"{lp['checked']} positions")
+                c["pass"] = (_level_pass(c, args.strict) and c["finish_length"] == len(prompts)
+                             and c.get("logprob", {"pass": True})["pass"])
                 levels.append(c)
                 print(f"  mstar N={n}: {wall:.1f} s (engine + warm-up {t0 - t_llm:.1f} s); exact {c['exact_match']}, "
                       f"first token {c['first_token_agree']}, diverged {c['diverged']} "
-                      f"({c['near_ties']} near-ties)", flush=True)
+                      f"({c['near_ties']} near-ties){lp_note}", flush=True)
                 if n == n_fix:
                     fixed8 = _guard(check_fixed8, llm, prompts, ref8, hf, tie_tol, args.strict)
                     stops = _guard(check_stops, llm, prompts, outs, ref, T)
@@ -609,6 +781,8 @@ def run(args) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "num_prompts": len(prompts), "prompt_len": [lo, hi], "max_tokens": T, "batch_sizes": sizes,
         "seed": args.seed, "embed_std": args.embed_std, "hf_single": args.hf_single, "tie_tol": tie_tol,
+        "logprob_tol": lp_tol, "logprob_hf_factor": args.logprob_hf_factor, "logprob_positions": lp_pos,
+        "logprob_top": LOGPROB_TOP,
         "strict": args.strict, "perturb_weight": args.perturb_weight, "setup_s": round(setup_s, 1),
         "levels": levels, "fixed_8": fixed8, "stop": stops, "backends": backends, "pass": ok,
     }
@@ -623,14 +797,43 @@ def _print_far(c: dict[str, Any], tol: float, tag: str = "") -> None:
               f"> {tol} (HF's token: {d['hf_gap']:.3f})")
 
 
+def _fmt_num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _fmt_dlp(lp) -> str:
+    return "-" if lp is None else f"{lp['max_diff']:.3g}/{_fmt_num(lp['hf_max_diff'])}"
+
+
+def _print_logprob(lp) -> None:
+    """Where the logprob check's largest difference is, when it fails."""
+    if lp is None or lp["pass"]:
+        return
+    if not lp["checked"]:
+        print("     logprob: no logprobs came back from mstar")
+        return
+    how = "" if lp["listed"] else " (a referee top id left out of mstar's list: bound from its last listed)"
+    print(f"     logprob: prompt {lp['prompt']} pos {lp['pos']} token {lp['token']}: mstar {lp['mstar']:.4f} / "
+          f"fp32 {lp['referee']:.4f}, |diff| {lp['max_diff']:.4f} > tol {lp['tol']:.4g} (HF's own largest "
+          f"|diff| {_fmt_num(lp['hf_max_diff'])}){how}")
+
+
+def _fmt_lp_tol(res: dict[str, Any]) -> str:
+    if not res["logprob_positions"]:
+        return "off"
+    k = res["logprob_hf_factor"]
+    return f"max({res['logprob_tol']}, {k} x HF's)" if k else f"{res['logprob_tol']}"
+
+
 def print_table(res: dict[str, Any]) -> None:
     P = res["num_prompts"]
     print("exact: whole output = HF's; first-tok: first token = HF's (+ties: or a near-tie); prefix: mean "
           "common prefix; diverged / ties / max gap: where outputs part, how many are near-ties, the largest "
           "gap (stds of the fp32 referee's logits); =fp32: first tokens equal to the fp32 referee's argmax, "
-          "mstar / HF")
+          "mstar / HF; dlp: the logprob check's largest |logprob - fp32 referee's|, mstar / HF's own (- : HF is the "
+          "referee)")
     print(f"{'N':>4} {'exact':>7} {'first-tok':>9} {'+ties':>6} {'prefix':>7} {'diverged':>8} {'ties':>5} "
-          f"{'max gap':>8} {'=fp32 ms/hf':>12} {'mstar s':>8} {'hf s':>7}  pass")
+          f"{'max gap':>8} {'=fp32 ms/hf':>12} {'dlp ms/hf':>15} {'mstar s':>8} {'hf s':>7}  pass")
     for lv in res["levels"]:
         if "error" in lv:
             print(f"{lv['n']:>4} error: {lv['error']}  FAIL")
@@ -639,10 +842,12 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"{lv['n']:>4} {lv['exact_match']:>3}/{P:<3} {lv['first_token_agree']:>5}/{P:<3} "
               f"{lv['first_token_agree_with_ties']:>6} {lv['mean_common_prefix']:>7.2f} {lv['diverged']:>8} "
               f"{lv['near_ties']:>5} {_fmt_gap(lv['max_gap']):>8} {fr['mstar']['agree']:>6}/{fr['hf']['agree']:<5} "
-              f"{lv['mstar_wall_s']:>8.2f} {lv['hf_wall_s']:>7.2f}  {'ok' if lv['pass'] else 'FAIL'}")
+              f"{_fmt_dlp(lv.get('logprob')):>15} {lv['mstar_wall_s']:>8.2f} {lv['hf_wall_s']:>7.2f}  "
+              f"{'ok' if lv['pass'] else 'FAIL'}")
         if lv["wrong_length"]:
             print(f"     wrong output lengths: {lv['wrong_length'][:8]}")
         _print_far(lv, res["tie_tol"])
+        _print_logprob(lv.get("logprob"))
     f8 = res["fixed_8"]
     if "error" in f8:
         print(f"fixed-8: {f8['error']}  FAIL")
@@ -664,7 +869,8 @@ def print_table(res: dict[str, Any]) -> None:
     else:
         print(f"stop token {tk['token']} (prompt {tk['prompt']}): {tk['got_tokens']} tokens "
               f"(want {tk['want_tokens']})  {'ok' if tk['pass'] else 'FAIL'}")
-    print(f"GATE {'PASS' if res['pass'] else 'FAIL'}  ({res['dtype']}, tie tol {res['tie_tol']} std"
+    print(f"GATE {'PASS' if res['pass'] else 'FAIL'}  ({res['dtype']}, tie tol {res['tie_tol']} std, "
+          f"logprob tol {_fmt_lp_tol(res)}"
           f"{', strict' if res['strict'] else ''}; commit {res['commit']})", flush=True)
 
 
