@@ -77,6 +77,15 @@ def kernels(core, b: int, label: str, top: int) -> None:
     for name, ts in rows:
         print(f"    {sum(ts) / reps:8.1f} us/replay  {len(ts) / reps:5.1f}x  {sum(ts) / len(ts):7.2f} us each  "
               f"{name[:110]}", flush=True)
+    # the idle gap before each kernel (its start - the previous kernel's end, within a replay), by
+    # (previous kernel, kernel): are the gaps spread evenly or do some transitions carry them?
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for i in range(0, per * reps, per):
+        for a, b in zip(ks[i:i + per - 1], ks[i + 1:i + per]):
+            gaps.setdefault((a.name[:50], b.name[:50]), []).append(b.time_range.start - a.time_range.end)
+    print("    gaps by transition (us per replay, count per replay, mean us): previous kernel -> kernel", flush=True)
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"    {sum(g) / reps:8.1f} {len(g) / reps:6.1f}x {sum(g) / len(g):6.2f}  {a} -> {b}", flush=True)
 
 
 def _time(fn, iters: int) -> float:
