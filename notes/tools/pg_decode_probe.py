@@ -29,6 +29,10 @@ captures one small unrelated graph and measures again. Fast again after recaptur
 capture order is the fix (decode graphs last); slow again after the small graph means the
 most recently captured graph is the fast one.
 
+--limits prints the context's CUDA limits (stack size, printf FIFO, malloc heap) before and
+after the prefill graphs are captured, and if the stack size grew, sets it back and measures
+again: is the slowdown the per-thread stack (local memory) the driver grew for some kernel?
+
 --engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
 times its decode graphs: the served configuration.
 """
@@ -47,6 +51,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.engine_core import EngineCore
 from mstar.runtime.prefill_graphs import PrefillGraphRunner, prefill_sizes
+
+
+_LIMITS = {"stack": 0, "printf_fifo": 1, "malloc_heap": 2}
+
+
+def _cudart():
+    """The CUDA runtime library (the primary context's limits are shared by every runtime in the process)."""
+    import ctypes
+    import glob
+    import site
+    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages()
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return ctypes.CDLL("libcudart.so")
+
+
+def limits(rt) -> dict[str, int]:
+    import ctypes
+    out = {}
+    for name, code in _LIMITS.items():
+        v = ctypes.c_size_t(0)
+        rc = rt.cudaDeviceGetLimit(ctypes.byref(v), code)
+        out[name] = v.value if rc == 0 else -rc
+    return out
 
 
 def kernels(core, b: int, label: str, top: int) -> None:
@@ -124,6 +156,8 @@ def main() -> None:
                    help="profile the first batch size's decode graph: kernels, gaps and the N most expensive")
     p.add_argument("--pg-sizes", type=int, default=0, metavar="K",
                    help="capture only the K smallest prefill graph sizes (default: all)")
+    p.add_argument("--limits", action="store_true",
+                   help="print CUDA limits before / after the prefill graphs; restore a grown stack size")
     p.add_argument("--engine-pg", action="store_true",
                    help="the engine captures its prefill graphs itself (its order); time its decode graphs")
     p.add_argument("--recapture", action="store_true",
@@ -157,12 +191,24 @@ def main() -> None:
             if ev0.elapsed_time(ev1) > 1500:
                 break
         measure(core, a.batch, "after a GEMM burst")
+    rt = _cudart() if a.limits else None
+    if rt is not None:
+        before = limits(rt)
+        print(f"limits before the prefill graphs: {before}", flush=True)
     sizes = prefill_sizes(a.max_num_batched_tokens)
     top = sizes[min(a.pg_sizes, len(sizes)) - 1] if a.pg_sizes > 0 else sizes[-1]
     pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=top, capture=True)
     print(f"prefill graphs: {len(pg.sizes)} sizes x {len(pg.layers) + 1} segments, {pg.capture_s:.1f} s, "
           f"{pg.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
     measure(core, a.batch, "with prefill graphs")
+    if rt is not None:
+        after = limits(rt)
+        print(f"limits after the prefill graphs: {after}", flush=True)
+        if after["stack"] > before["stack"] > 0:
+            import ctypes
+            rc = rt.cudaDeviceSetLimit(_LIMITS["stack"], ctypes.c_size_t(before["stack"]))
+            print(f"stack size set back to {before['stack']} (rc {rc}): now {limits(rt)}", flush=True)
+            measure(core, a.batch, "stack size set back")
     if a.kernels:
         kernels(core, a.batch[0], "with prefill graphs", a.kernels)
     if a.recapture:
