@@ -104,28 +104,33 @@ KNOBS: tuple[Knob, ...] = (
          "last-page lengths + 1, a page appended where a row crossed a page boundary); anything else that "
          "touches a stream (reset, remove, reload, offload, rollback, release, fork, copy-on-write, prefix-cache "
          "reset) invalidates them. 2: wherever it can advance, build both, log every difference at WARNING and "
-         "use the rebuilt arrays. Graph and eager decode rows. FlashInfer's own plan still runs every step.",
+         "use the rebuilt arrays. Graph and eager decode rows. FlashInfer's own plan still runs every step."
+         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4847 / 15040 / 29146 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain.",
          choices=(0, 1, 2)),
     Knob("MSTAR_KV_PINNED_INDPTRS", "bool", False,
          "Eager steps (prefill, mixed) stage their index arrays in a preallocated page-locked ring and copy "
          "them straight to the device, instead of pinning fresh host tensors per step (decode graphs always "
-         "stage through fixed pinned buffers)."),
+         "stage through fixed pinned buffers)."
+         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4910 / 15273 / 30287 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: within noise."),
     Knob("MSTAR_INGRAPH_DECODE_TOKENS", "bool", False,
          "Decode graphs read each row's input token inside the graph from a per-request master buffer on the "
          "device (max_num_seqs slots, allocated once before capture, never grown or moved); the sampler (and "
          "overlapped decode's launch, which then needs no loop-back copy) writes sampled tokens into it, so no "
          "token ids are uploaded. Only for models that declare `reads_device_loopback` (Qwen3.5, Qwen3), with "
          "decode graphs on and tp = 1; elsewhere a warning and no effect. A request beyond the capacity fails "
-         "with an error that names it."),
+         "with an error that names it."
+         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4842 / 15185 / 30067 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain."),
     Knob("MSTAR_INGRAPH_DECODE_ROPE", "bool", False,
          "With MSTAR_INGRAPH_DECODE_TOKENS: decode graphs compute each row's position (and so its rotary "
          "angle) inside the graph from a per-request device counter, advanced inside the graph (the host "
          "rewrites it only at admission and after eager steps), instead of uploading positions. Set without "
-         "MSTAR_INGRAPH_DECODE_TOKENS, the engine refuses to start."),
+         "MSTAR_INGRAPH_DECODE_TOKENS, the engine refuses to start."
+         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): with the tokens knob 4799 / 15118 / 30687 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain."),
     Knob("MSTAR_KV_CHAIN_LAZY_STEPS", "int", 1,
          "Register the pages decode fills in the prefix cache on every N-th commit of the request instead of "
          "at once (prompt pages and pages with GDN snapshots: at once); pending pages are registered before "
-         "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset.",
+         "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset."
+         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): N = 8: 4905 / 15260 / 30719 tok/s against 4870-5271 / 15320-16179 / 30438-30637 at 1: within noise.",
          minimum=1),
     Knob("MSTAR_IDLE_GATHER_US", "int", 0,
          "Engine process: when a request arrives while the engine is idle, keep taking arrivals for this many "
