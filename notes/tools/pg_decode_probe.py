@@ -33,6 +33,10 @@ most recently captured graph is the fast one.
 after the prefill graphs are captured, and if the stack size grew, sets it back and measures
 again: is the slowdown the per-thread stack (local memory) the driver grew for some kernel?
 
+--bisect captures, one at a time and measuring after each, graphs of growing scope: one bf16
+GEMM of 16 rows, then prefill segments 0, 1 and 4 at 16 tokens (segment k: layer k-1's output
+projection, norm and MLP, then layer k's norm and input projections): which capture flips it?
+
 --engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
 times its decode graphs: the served configuration.
 """
@@ -79,6 +83,34 @@ def limits(rt) -> dict[str, int]:
         rc = rt.cudaDeviceGetLimit(ctypes.byref(v), code)
         out[name] = v.value if rc == 0 else -rc
     return out
+
+
+def _capture(fn, keep: list) -> None:
+    """First use on a side stream, then capture fn into a graph kept alive in `keep`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    keep.append(g)
+    torch.cuda.synchronize()
+
+
+def bisect_captures(core, batches) -> None:
+    keep: list = []
+    w = core.model.lm_head_weight()
+    x = torch.randn(16, w.shape[1], dtype=w.dtype, device=w.device)
+    m = torch.randn(w.shape[1], 4096, dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        _capture(lambda: x @ m, keep)
+        measure(core, batches, "after a 16-row GEMM graph")
+        pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=16, capture=False)
+        for k in (0, 1, 4):
+            _capture(lambda k=k: pg._segment(k, 16), keep)
+            measure(core, batches, f"after segment {k} captured")
 
 
 def kernels(core, b: int, label: str, top: int) -> None:
@@ -156,6 +188,8 @@ def main() -> None:
                    help="profile the first batch size's decode graph: kernels, gaps and the N most expensive")
     p.add_argument("--pg-sizes", type=int, default=0, metavar="K",
                    help="capture only the K smallest prefill graph sizes (default: all)")
+    p.add_argument("--bisect", action="store_true",
+                   help="capture a 16-row GEMM, then prefill segments 0, 1, 4 one by one, measuring after each")
     p.add_argument("--limits", action="store_true",
                    help="print CUDA limits before / after the prefill graphs; restore a grown stack size")
     p.add_argument("--engine-pg", action="store_true",
@@ -191,6 +225,9 @@ def main() -> None:
             if ev0.elapsed_time(ev1) > 1500:
                 break
         measure(core, a.batch, "after a GEMM burst")
+    if a.bisect:
+        bisect_captures(core, a.batch)
+        return
     rt = _cudart() if a.limits else None
     if rt is not None:
         before = limits(rt)
