@@ -36,6 +36,11 @@ again: is the slowdown the per-thread stack (local memory) the driver grew for s
 --bisect captures, one at a time and measuring after each, graphs of growing scope: one bf16
 GEMM of 16 rows, then prefill segments 0, 1 and 4 at 16 tokens (segment k: layer k-1's output
 projection, norm and MLP, then layer k's norm and input projections): which capture flips it?
+(Session 6: the 16-row GEMM graph alone flips it, 1109 -> 1233 us. It was captured like the
+prefill graphs: first use on one side stream, capture on torch.cuda.graph's default capture
+stream; the decode graphs, which do not flip it, use one stream for both.)
+--bisect-stream same|default: with `same`, the GEMM's first use and capture share one stream
+(the decode graphs' way); run each in a fresh process (the slow state persists).
 
 --engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
 times its decode graphs: the served configuration.
@@ -85,31 +90,32 @@ def limits(rt) -> dict[str, int]:
     return out
 
 
-def _capture(fn, keep: list) -> None:
-    """First use on a side stream, then capture fn into a graph kept alive in `keep`."""
+def _capture(fn, keep: list, same_stream: bool = False) -> None:
+    """First use on a side stream, then capture fn into a graph kept alive in `keep` (on that
+    stream with same_stream, else on torch.cuda.graph's default capture stream)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=side if same_stream else None):
         fn()
     keep.append(g)
     torch.cuda.synchronize()
 
 
-def bisect_captures(core, batches) -> None:
+def bisect_captures(core, batches, same_stream: bool = False) -> None:
     keep: list = []
     w = core.model.lm_head_weight()
     x = torch.randn(16, w.shape[1], dtype=w.dtype, device=w.device)
     m = torch.randn(w.shape[1], 4096, dtype=w.dtype, device=w.device)
     with torch.inference_mode():
-        _capture(lambda: x @ m, keep)
+        _capture(lambda: x @ m, keep, same_stream)
         measure(core, batches, "after a 16-row GEMM graph")
         pg = PrefillGraphRunner(core.model, device=core.device, dtype=core.dtype, max_tokens=16, capture=False)
         for k in (0, 1, 4):
-            _capture(lambda k=k: pg._segment(k, 16), keep)
+            _capture(lambda k=k: pg._segment(k, 16), keep, same_stream)
             measure(core, batches, f"after segment {k} captured")
 
 
@@ -190,6 +196,8 @@ def main() -> None:
                    help="capture only the K smallest prefill graph sizes (default: all)")
     p.add_argument("--bisect", action="store_true",
                    help="capture a 16-row GEMM, then prefill segments 0, 1, 4 one by one, measuring after each")
+    p.add_argument("--bisect-stream", choices=["default", "same"], default="default",
+                   help="--bisect: capture on torch's default capture stream, or on the first-use stream")
     p.add_argument("--limits", action="store_true",
                    help="print CUDA limits before / after the prefill graphs; restore a grown stack size")
     p.add_argument("--engine-pg", action="store_true",
@@ -226,7 +234,7 @@ def main() -> None:
                 break
         measure(core, a.batch, "after a GEMM burst")
     if a.bisect:
-        bisect_captures(core, a.batch)
+        bisect_captures(core, a.batch, a.bisect_stream == "same")
         return
     rt = _cudart() if a.limits else None
     if rt is not None:
