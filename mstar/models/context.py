@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import torch
 
 
@@ -62,11 +64,18 @@ def cross_page_size(max_source_len: int) -> int:
     return max(d for d in range(1, min(64, max_source_len) + 1) if max_source_len % d == 0)
 
 
-def cross_slot_pages(slots, pages_per_slot: int) -> torch.Tensor:
+def cross_slot_pages(slots, pages_per_slot: int, out: np.ndarray | None = None) -> np.ndarray:
     """The pages of each slot in the paged view, row after row: slot s holds pages
-    s * pages_per_slot .. s * pages_per_slot + pages_per_slot - 1. [len(slots) * pages_per_slot] int32."""
-    s = torch.as_tensor(slots, dtype=torch.int64).reshape(-1, 1)
-    return (s * pages_per_slot + torch.arange(pages_per_slot)).reshape(-1).to(torch.int32)
+    s * pages_per_slot .. s * pages_per_slot + pages_per_slot - 1. [len(slots) * pages_per_slot] int32,
+    written in place into `out` (a decode step's pinned staging buffer) when given."""
+    s = np.asarray(slots, dtype=np.int32).reshape(-1, 1)
+    if out is None:
+        out = np.empty(s.shape[0] * pages_per_slot, dtype=np.int32)
+    rows = out.reshape(-1, pages_per_slot)
+    rows[...] = s
+    rows *= pages_per_slot
+    rows += np.arange(pages_per_slot, dtype=np.int32)
+    return out
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,7 @@ class CrossAttentionMetadata:
             pages = -(-int(n) // page_size)
             if not 0 < pages <= pages_per_slot:
                 raise ValueError(f"cross-attention over {n} positions: a slot holds 1..{page_size * pages_per_slot}")
-            first = cross_slot_pages([slot], pages_per_slot)[:pages]  # a partial slot: its first pages
+            first = torch.from_numpy(cross_slot_pages([slot], pages_per_slot)[:pages])  # a partial slot: its first pages
             idx += [first] * int(reps)
             lens += [pages] * int(reps)
             last += [int(n) - (pages - 1) * page_size] * int(reps)

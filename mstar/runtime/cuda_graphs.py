@@ -104,6 +104,8 @@ class DecodeGraphRunner:
         self._last_host = torch.ones(B, dtype=torch.int32)
         # cross-attention rows: the pages of the row's cross slot (indptr = arange * pages), the whole source
         self._xidx_host = torch.zeros(B * self._x_pages, dtype=torch.int32, pin_memory=pin)
+        # the padding rows' pages (they read the padding cross slot)
+        self._x_pad_pages = cross_slot_pages([self.pad_cross] * B, self._x_pages) if self._x_pages else None
         self.plans: dict[int, object] = {}
         self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
@@ -137,7 +139,8 @@ class DecodeGraphRunner:
                 xp = ops.decode_graph_plan(
                     self.device, batch=b, max_pages=b * n, num_q_heads=xa.num_heads, num_kv_heads=xa.num_kv_heads,
                     head_dim=xa.head_dim, page_size=self.cross_page_size, dtype=model.dtype, scale=xa.scale)
-                xp.plan(torch.arange(b + 1, dtype=torch.int32) * n, cross_slot_pages([self.pad_cross] * b, n).to(self.device),
+                xp.plan(torch.arange(b + 1, dtype=torch.int32) * n,
+                        torch.from_numpy(cross_slot_pages([self.pad_cross] * b, n)).to(self.device),
                         torch.full((b,), self.cross_page_size, dtype=torch.int32))
                 self.cross_plans[b] = xp
                 cross = CrossAttentionMetadata(kv_indptr=xp.indptr, kv_indices=xp.indices,
@@ -249,7 +252,9 @@ class DecodeGraphRunner:
             # every row reads its slot's pages, the whole source: the plan (planned at
             # construction) never changes, only which slot's pages each row reads
             n = self._x_pages
-            self._xidx_host[:b * n] = cross_slot_pages(list(rows.decode_cross or ()) + [self.pad_cross] * (b - d), n)
+            x = self._xidx_host.numpy()
+            cross_slot_pages(rows.decode_cross or (), n, out=x[:d * n])
+            x[d * n:b * n] = self._x_pad_pages[:(b - d) * n]
             self.cross_plans[b].indices[:b * n].copy_(self._xidx_host[:b * n], non_blocking=True)
         if not self.has_attention:
             self._mark_staged()

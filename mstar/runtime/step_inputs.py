@@ -145,7 +145,7 @@ class StepInputBuilder:
             slot = np.repeat(np.asarray(list(rows.decode_cross or []) + list(rows.prefill_cross or []),
                                         dtype=np.int64), np.concatenate([np.ones(D, dtype=np.int64), p_qlen]))
             n = self._x_pages
-            x_idx = cross_slot_pages(slot, n).numpy()
+            x_idx = cross_slot_pages(slot, n)
             if len(self._x_indptr) < T + 1:
                 m = max(T + 1, 2 * len(self._x_indptr))
                 self._x_indptr = (np.arange(m) * n).astype(np.int32)
