@@ -138,10 +138,8 @@ class EngineCore:
                                   cross_page_size=spec.cross.page_size if self.has_cross else 0)
         self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
         t_caches = time.perf_counter()
-        # prefill graphs first: captured after the decode graphs, they left every decode graph replay
-        # ~124 us slower at 0.8B (the kernels as fast, the gaps between them 0.12 -> 0.49 us; notes/gpu-2026-11-30-s6.md)
-        self.prefill_graphs = self._prefill_graphs(config)  # None: prefill and mixed steps run the forward
         self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
+        self.prefill_graphs = self._prefill_graphs(config)  # None: prefill and mixed steps run the forward
         t_graphs = time.perf_counter()
         if self.graphs is None:
             self.masters = None  # nothing reads them
