@@ -398,6 +398,14 @@ def logprob_check(prompts: list[list[int]], toks: list[list[int]], lps: list[lis
     worst: dict[str, Any] = {"max_diff": 0.0}
     checked = 0
     by_pos = [0.0] * positions
+
+    def note(d: float, i: int, j: int, tid: int, got: float, want: float, listed: bool) -> None:
+        nonlocal worst
+        by_pos[j] = max(by_pos[j], d)
+        if d > worst["max_diff"]:
+            worst = {"max_diff": d, "prompt": i, "pos": j, "token": tid, "mstar": got, "referee": want,
+                     "listed": listed}
+
     for i, (p, t, lp, r) in enumerate(zip(prompts, toks, lps, ref)):
         for j in range(min(positions, len(t), len(lp or []))):
             if t[:j] != r[:j]:
@@ -408,22 +416,14 @@ def logprob_check(prompts: list[list[int]], toks: list[list[int]], lps: list[lis
             vals = [e.logprob, *e.top_logprobs]
             checked += 1
             for tid, v in zip(ids, vals):
-                d = abs(v - float(ref_lp[tid]))
-                by_pos[j] = max(by_pos[j], d)
-                if d > worst["max_diff"]:
-                    worst = {"max_diff": d, "prompt": i, "pos": j, "token": tid, "mstar": v,
-                             "referee": float(ref_lp[tid]), "listed": True}
+                note(abs(v - float(ref_lp[tid])), i, j, tid, v, float(ref_lp[tid]), True)
             if e.top_ids and len(e.top_ids) < ref_lp.numel():
                 floor = min(e.top_logprobs)
                 listed = set(e.top_ids)
                 top_ref = torch.topk(ref_lp, len(e.top_ids))
                 for rv, tid in zip(top_ref.values.tolist(), top_ref.indices.tolist()):
-                    if tid in listed:
-                        continue
-                    by_pos[j] = max(by_pos[j], rv - floor)
-                    if rv - floor > worst["max_diff"]:
-                        worst = {"max_diff": rv - floor, "prompt": i, "pos": j, "token": tid, "mstar": floor,
-                                 "referee": rv, "listed": False}
+                    if tid not in listed:
+                        note(rv - floor, i, j, tid, floor, rv, False)
     for k in ("max_diff", "mstar", "referee"):
         if k in worst:
             worst[k] = round(worst[k], 6)
@@ -658,8 +658,8 @@ def _guard(fn, *args) -> dict[str, Any]:
         return {"pass": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def _fmt_gap(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
+def _fmt_gap(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def run(args) -> dict[str, Any]:
@@ -747,7 +747,7 @@ def run(args) -> dict[str, Any]:
                     t1 = time.perf_counter()
                     lp = c["logprob"] = check_logprobs(llm, prompts, ref, hf, lp_pos, lp_tol, args.logprob_hf_factor)
                     lp_note = (f"; logprob check {time.perf_counter() - t1:.1f} s: max |diff| {lp['max_diff']:.3g} "
-                               f"(HF's own {_fmt_num(lp['hf_max_diff'])}, tol {lp['tol']:.3g}) over "
+                               f"(HF's own {_fmt_gap(lp['hf_max_diff'], '.3g')}, tol {lp['tol']:.3g}) over "
                                f"{lp['checked']} positions")
                 c["pass"] = (_level_pass(c, args.strict) and c["finish_length"] == len(prompts)
                              and c.get("logprob", {"pass": True})["pass"])
@@ -797,12 +797,8 @@ def _print_far(c: dict[str, Any], tol: float, tag: str = "") -> None:
               f"> {tol} (HF's token: {d['hf_gap']:.3f})")
 
 
-def _fmt_num(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
 def _fmt_dlp(lp) -> str:
-    return "-" if lp is None else f"{lp['max_diff']:.3g}/{_fmt_num(lp['hf_max_diff'])}"
+    return "-" if lp is None else f"{lp['max_diff']:.3g}/{_fmt_gap(lp['hf_max_diff'], '.3g')}"
 
 
 def _print_logprob(lp) -> None:
@@ -815,7 +811,7 @@ def _print_logprob(lp) -> None:
     how = "" if lp["listed"] else " (a referee top id left out of mstar's list: bound from its last listed)"
     print(f"     logprob: prompt {lp['prompt']} pos {lp['pos']} token {lp['token']}: mstar {lp['mstar']:.4f} / "
           f"fp32 {lp['referee']:.4f}, |diff| {lp['max_diff']:.4f} > tol {lp['tol']:.4g} (HF's own largest "
-          f"|diff| {_fmt_num(lp['hf_max_diff'])}){how}")
+          f"|diff| {_fmt_gap(lp['hf_max_diff'], '.3g')}){how}")
 
 
 def _fmt_lp_tol(res: dict[str, Any]) -> str:
