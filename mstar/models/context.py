@@ -58,9 +58,10 @@ class StateLayerSpec:
 def cross_page_size(max_source_len: int) -> int:
     """Cross-attention reads a slot's K/V [max_source_len, H, D] as pages of this many positions:
     the largest divisor of max_source_len up to 64 (Whisper's 1500: 60, so 25 pages). FlashInfer's
-    decode splits a row's keys across thread blocks only at page boundaries; read as one
-    1500-position page, a Whisper large-v3 decode step gave its cross-attention one block per
-    (row, head), and the step's graph replay took 3.7 ms at batch 1 on the H200."""
+    decode splits a row's keys across thread blocks only at page boundaries, so one 1500-position
+    page gives a row's cross-attention one block per head. Measured on the H200 (large-v3, batch 1):
+    the decode graph replay went 3721 -> 3512 us with pages of 60; most of the step was elsewhere
+    (the LayerNorm's reference kernels, notes/gpu-2026-11-30-s6.md)."""
     return max(d for d in range(1, min(64, max_source_len) + 1) if max_source_len % d == 0)
 
 
