@@ -131,7 +131,9 @@ class PrefillGraphRunner:
                         self._segment(k, n)
                     torch.cuda.current_stream(dev).wait_stream(stream)
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
+                    # capture on the first-use stream, as the decode graphs do: capturing on torch's
+                    # default capture stream slowed every later decode replay (notes/gpu-2026-11-30-s7.md)
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
                         self._segment(k, n)
                     pool = g.pool() if pool is None else pool
                     graphs.append(g)

@@ -63,6 +63,30 @@ timeout 70 python3 notes/tools/pg_decode_probe.py --model qwen3.5-4b --batch 8 -
     run "final:560:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & \
 wait; grep -h -v '^INFO' \$OUT/gpu0.log \$OUT/gpu1.log | tail -120"
     ;;
+  s7a)  # session 7, call 1 (two H200s, ~8 min): the capture-stream bisect, the engine with the capture fix,
+    # the served 4B (GPU 0) and 0.8B (GPU 1). Carry .gpu (CuTe xz aside), kernel_cache_slim, .whl
+    export KCACHE_DIR=kernel_cache_slim
+    p="python3 notes/tools/pg_decode_probe.py"
+    g0="timeout 75 $p --model qwen3.5-0.8b --batch 8 --bisect --bisect-stream default; \
+timeout 75 $p --model qwen3.5-0.8b --batch 8 --bisect --bisect-stream same; \
+timeout 90 $p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg; $(serve qwen3.5-4b 8004 8 32 64 128)"
+    g1="timeout 75 $p --model qwen3.5-4b --batch 8 32 --engine-pg; $(serve qwen3.5-0.8b 8001 8 32 64 128)"
+    run "s7a:580:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cd \$OUT && tar czf logs.tgz server-*.log \
+&& rm -f server-*.log; grep -h -v '^INFO' gpu0.log gpu1.log | grep -v '^ *[0-9.]* *[0-9.]* *[0-9.]*%' | tail -150"
+    ;;
+  s7b)  # session 7, call 2 (two H200s, ~9.5 min): TP2 GPU tests, then 9B at TP2 offline: prefill graphs on,
+    # + the symm_mem all-reduce, the default (c8 / c128), phase timing. Carry .gpu, kernel_cache_slim
+    export KCACHE_DIR=kernel_cache_slim NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    off="python3 -m mstar.bench.offline --model qwen3.5-9b --random-weights --tp 2 --one-engine --out \$OUT/offline.jsonl"
+    run "tptests:110:python3 -m pytest -m gpu -q -x tests/test_tp_allreduce.py tests/test_prefill_graphs.py tests/test_tp.py \
+-k 'tp2 or symm or cuda_graphs'" \
+        "tp9bpg:140:$off --concurrency 8 32 64 128 --prefill-graphs on" \
+        "tp9bsymm:140:MSTAR_TP_ALLREDUCE=symm_mem $off --concurrency 8 32 64 128 --prefill-graphs on" \
+        "tp9b:100:$off --concurrency 8 128" \
+        "tpphase:60:MSTAR_PHASE_TIMING=1 MSTAR_PHASE_LOG=\$OUT/phase-tp.jsonl $off --concurrency 8 --num-prompts 16 \
+--prefill-graphs on --out ''"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
