@@ -116,6 +116,7 @@ class DecoderLM(nn.Module):
         self._caches_bound = False
         # tensor parallel (parallel.py), fixed at construction; 1: a single device
         self.tp_size, self.tp_group = parallel.tp_size(), parallel.get_tp().group
+        self.tp_rank = parallel.tp_rank()
 
     def _finish_init(self, rotary_dim: int, rope_theta: float) -> None:
         cfg = self.config
@@ -200,6 +201,16 @@ class DecoderLM(nn.Module):
         # vocab-parallel head: every rank computes its rows' logits; gather, drop the padding
         local = torch.nn.functional.linear(hidden, self.lm_head_weight())
         return parallel.all_gather_last(local, self.tp_size, self.tp_group)[:, :self.config.vocab_size].float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), int64 [N]; at tp > 1 without gathering the logits
+        (one gather of each rank's best (value, id) per row: parallel.vocab_parallel_argmax).
+        Every rank calls it together, as compute_logits."""
+        local = torch.nn.functional.linear(hidden, self.lm_head_weight())
+        if self.tp_size == 1:  # the head's output in the model dtype orders as its float32 copy
+            return local.argmax(dim=-1)
+        return parallel.vocab_parallel_argmax(local, self.config.vocab_size, self.tp_rank, self.tp_size,
+                                              self.tp_group)
 
     # --- weights ----------------------------------------------------------------------------
     def expected_weights(self) -> dict:

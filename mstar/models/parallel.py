@@ -115,6 +115,31 @@ def all_gather_last(x: torch.Tensor, size: int, group: Any = None) -> torch.Tens
     return torch.cat(parts, dim=-1)
 
 
+def vocab_parallel_argmax(local: torch.Tensor, vocab_size: int, rank: int, size: int,
+                          group: Any = None) -> torch.Tensor:
+    """argmax over the full vocabulary of the row-wise logits whose rank-`rank` shard of
+    columns is `local` [B, V / size] (rank order, padding past vocab_size), without gathering
+    them: each rank's best (value, id) of its shard, one all-gather of those pairs, the best per
+    row. Ties go to the lowest id, as torch.argmax of the gathered logits does. int64 [B]."""
+    import torch.distributed as dist
+    width = local.shape[-1]
+    start = rank * width
+    valid = max(0, min(width, vocab_size - start))
+    pair = torch.full((local.shape[0], 2), float("-inf"), dtype=torch.float32, device=local.device)
+    if valid:
+        shard = local[:, :valid]
+        idx = shard.argmax(dim=-1, keepdim=True)
+        pair[:, :1] = shard.gather(-1, idx).float()  # exact: the logits' own dtype widened
+        pair[:, 1:] = (idx + start).float()  # ids < 2**24: exact in float32
+    parts = torch.empty((size * pair.shape[0], 2), dtype=pair.dtype, device=pair.device)
+    # rank-major rows (gloo takes no stacked shape); all_gather_single is the newer torch's name
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(parts, pair, group=group)
+    parts = parts.view(size, -1, 2)
+    best = parts[:, :, 0].argmax(dim=0, keepdim=True)  # the first (lowest) rank among equals
+    return parts[:, :, 1].gather(0, best).squeeze(0).long()
+
+
 # --- sharding arithmetic --------------------------------------------------------------------------
 def divide(n: int, size: int, what: str) -> int:
     if n % size:

@@ -170,7 +170,7 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free0 = torch.cuda.mem_get_info(self.device)[0]
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self._stage_padding(b)

@@ -92,15 +92,20 @@ class DecodeOverlap:
     def launch(self, seqs, hidden: torch.Tensor) -> None:
         """Sample the step's rows on the device, start the host copy, leave placeholders."""
         core = self.core
-        if core.tp is None:
-            # greedy: argmax of the head's output in the model dtype (its float32 copy, which
-            # compute_logits returns, orders the same values the same way)
-            logits = torch.nn.functional.linear(hidden, core.model.lm_head_weight())
-        else:  # tp > 1: the vocab-parallel head's gather, which every rank joins after a graph step
-            logits = core.model.compute_logits(hidden)
-        if core.token_masks.active:  # static per-request masks (Whisper's suppressed ids): on the device
-            core.token_masks.apply(logits, [seq.sampler_row for seq in seqs])
-        tokens = logits.argmax(dim=-1)
+        if core.tp is not None and not core.token_masks.active:
+            # tp > 1: each rank's best of its vocab shard, one gather of (value, id) pairs, which every
+            # rank joins (the plan said greedy); the logits themselves are never gathered
+            tokens = core.model.greedy_tokens(hidden)
+        else:
+            if core.tp is None:
+                # greedy: argmax of the head's output in the model dtype (its float32 copy, which
+                # compute_logits returns, orders the same values the same way)
+                logits = torch.nn.functional.linear(hidden, core.model.lm_head_weight())
+            else:  # tp > 1 with masks: the vocab-parallel head's gather
+                logits = core.model.compute_logits(hidden)
+            if core.token_masks.active:  # static per-request masks (Whisper's suppressed ids): on the device
+                core.token_masks.apply(logits, [seq.sampler_row for seq in seqs])
+            tokens = logits.argmax(dim=-1)
         if self._masters is not None:
             # the rows' master slots are still the graph's staged row (this step's): on the device
             self._masters.scatter_tokens(core.graphs.row_slots(tokens.shape[0]), tokens)

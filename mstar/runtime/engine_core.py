@@ -429,15 +429,16 @@ class EngineCore:
         if graphs is not None and not sched.prefill and graphs.bucket(len(sched.decode)) is not None:
             if pt is not None:
                 pt.before_forward()
-            if self.tp is not None:
-                self.tp.send_graph_step(rows)
+            launch = ov is not None and ov.eligible(sched.decode)
+            if self.tp is not None:  # (the followers mirror the launch's vocab-parallel argmax)
+                self.tp.send_graph_step(rows, greedy=launch and not self.token_masks.active)
             if masters is None:
                 hidden = graphs.run(rows)  # the sampling rows, in order
             else:  # in-graph inputs: the rows' master slots instead of their tokens
                 d_slots = masters.slots_of(sched.decode)
                 hidden = graphs.run(rows, slots=d_slots)
             n_sample = hidden.shape[0]
-            if ov is not None and ov.eligible(sched.decode):
+            if launch:
                 self._advance_decode(sched.decode, commit=True)
                 ov.launch(sched.decode, hidden)  # its outputs come with the next step
                 return outputs
@@ -548,7 +549,7 @@ class EngineCore:
         if masters is None:
             loop = prev.tokens
             if self.tp is not None:  # the plan, then the tokens broadcast to every rank's own buffer
-                loop = self.tp.send_chained_step(rows, prev.tokens)
+                loop = self.tp.send_chained_step(rows, prev.tokens, greedy=not self.token_masks.active)
             hidden = self.graphs.run(rows, loopback=loop)
         else:  # the launch of prev scattered its tokens into the masters the graph reads
             hidden = self.graphs.run(rows, slots=masters.slots_of(sched.decode))

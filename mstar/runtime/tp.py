@@ -61,7 +61,8 @@ from mstar.runtime import tp_allreduce
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_follower import follower_main
 from mstar.runtime.tp_group import (COLLECTIVE_TIMEOUT, ERROR_WAIT_S, JOIN_TIMEOUT_S, START_TIMEOUT_S, TPError,
-                                    abort_group, backend_for, kill_all, rank_device)
+                                    abort_group, backend_for, kill_all, rank_device,
+                                    release_group)
 from mstar.runtime.tp_plan import MirroredCacheManager, PlanRecorder, layout, replay_ops
 from mstar.runtime.tp_timing import STARTUP_PHASES, StepStat, dur, emit, now, startup_line, sync_once
 
@@ -269,11 +270,13 @@ class TensorParallel:
         rank 0 does: both pick it by the step's token count. Call right before rank 0 builds its own."""
         self._send(("pgraphs", capture))
 
-    def send_graph_step(self, rows) -> None:
-        """A graph-replayed decode step: the rows (followers fill their own fixed buffers)."""
-        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), False))
+    def send_graph_step(self, rows, greedy: bool = False) -> None:
+        """A graph-replayed decode step: the rows (followers fill their own fixed buffers).
+        greedy: rank 0 takes the step's tokens with model.greedy_tokens (overlapped decode's
+        launch), not compute_logits; the followers join the same gather."""
+        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), False, greedy))
 
-    def send_chained_step(self, rows, tokens: torch.Tensor) -> torch.Tensor:
+    def send_chained_step(self, rows, tokens: torch.Tensor, greedy: bool = True) -> torch.Tensor:
         """A chained graph step of overlapped decode (decode_overlap.py): its input ids are the
         previous step's tokens, still only on rank 0's device. The plan says so, then rank 0
         broadcasts them (the source is only read: no copy into a buffer of its own); each follower,
@@ -282,7 +285,7 @@ class TensorParallel:
         logits' gather everywhere. NCCL: stream-ordered, no host sync. Returns the loop-back (the
         tokens' first D entries)."""
         import torch.distributed as dist
-        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), True))
+        self._send_plan(lambda: ("gstep", self.cm.take_ops(), rows, time.monotonic(), True, greedy))
         buf = tokens[:len(rows.decode_tokens)].contiguous()  # (argmax's output: already contiguous)
         try:
             dist.broadcast(buf, src=0)
@@ -438,16 +441,8 @@ class TensorParallel:
         self._log_startup(closing=True)
         self._log_phases()
         self._finalizer.detach()
-        import torch.distributed as dist
         tp_allreduce.teardown()  # this process's layers fall back to torch.distributed (and free the buffer)
-        if dist.is_initialized():
-            try:
-                if self.error is not None and self.device.type == "cuda":
-                    abort_group()
-                else:
-                    dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                log.exception("destroying the tensor-parallel group")
+        released = release_group()
         t3 = now()
         self._results.close()
         self.close_timing = {"stop followers": t1 - t0, "monitor": t2 - t1, "destroy group": t3 - t2,
@@ -456,11 +451,11 @@ class TensorParallel:
         for r in range(1, self.size):
             ex = self.follower_exit.get(r, {})
             got = ex.get("t_shutdown")
-            parts.append(f"rank {r}: got it +{dur(None if got is None else got - t0)}, its group destroyed in "
+            parts.append(f"rank {r}: got it +{dur(None if got is None else got - t0)}, its group released in "
                          f"{dur(ex.get('destroy_s'))}, exited +{dur(exited.get(r))}"
                          + ("" if exited.get(r) is not None else f" (killed: still running after {dur(deadline - t0)})"))
         emit(f"tp close: stop followers {dur(t1 - t0)} ({'; '.join(parts)}), monitor joined {dur(t2 - t1)}, "
-             f"group destroyed {dur(t3 - t2)}, total {dur(now() - t0)}")
+             f"group {released} in {dur(t3 - t2)}, total {dur(now() - t0)}")
 
     def _drain(self) -> None:
         try:

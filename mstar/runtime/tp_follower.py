@@ -18,7 +18,7 @@ import torch
 from mstar.runtime import tp_allreduce
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.step_inputs import StepInputBuilder
-from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device
+from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device, release_group
 from mstar.runtime.tp_plan import rebuild, replay_ops
 from mstar.runtime.tp_timing import StepStat, now, sync_once
 
@@ -178,7 +178,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
             if t_first_plan is None:
                 t_first_plan = now()
             if msg[0] == "gstep":  # a graph-replayed decode step
-                _, ops, rows, t_sent, chained = msg
+                _, ops, rows, t_sent, chained, greedy = msg
                 s_transit(time.monotonic() - t_sent)
                 step += 1
                 if fault is not None and fault[0] == rank and fault[1] == "chained" and chained and step >= fault[2]:
@@ -189,7 +189,9 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
                 if chained:  # overlapped decode: the input ids are rank 0's previous tokens (tp.py)
                     loop = loopback[:len(rows.decode_tokens)]
                     dist.broadcast(loop, src=0)
-                model.compute_logits(runner.run(rows, loopback=loop))
+                hidden = runner.run(rows, loopback=loop)
+                # the collective rank 0 joins: the launch's vocab-parallel argmax, or the logits' gather
+                model.greedy_tokens(hidden) if greedy else model.compute_logits(hidden)
                 s_wait(t1 - t0)
                 s_graph(clock() - t2)
             else:
@@ -219,9 +221,6 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
         send_startup()
     results.put((rank, "stats", {"steps": step, **st}))
     t = now()
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    release_group()
     results.put((rank, "bye", {"t_shutdown": t_shutdown, "destroy_s": now() - t}))
 

@@ -43,6 +43,46 @@ def abort_group() -> None:
         log.exception("aborting the tensor-parallel group")
 
 
+RELEASE_TIMEOUT_S = 10.0
+
+
+def release_group(timeout_s: float = RELEASE_TIMEOUT_S) -> str:
+    """Leave the default group at close, every rank on its own: returns how it went.
+
+    NCCL: abort (local). A destroy there can wait on peers: on two H200s (session 7) every tp=2
+    engine's close hung in it once the follower had gone, and the follower's own destroy could
+    wait for rank 0. gloo: destroy. Bounded either way: past timeout_s the process goes on
+    (the group's threads are daemons) and says so."""
+    import threading
+
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return "none"
+    nccl = dist.get_backend() == "nccl"
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if nccl:
+                abort_group()
+            else:
+                dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            err.append(e)
+
+    t = threading.Thread(target=run, name="tp-release-group", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    how = "aborted" if nccl else "destroyed"
+    if t.is_alive():
+        log.warning("tp: the group was not %s within %.0f s; going on without it", how, timeout_s)
+        return "timed out"
+    if err:
+        log.warning("tp: releasing the group failed: %r", err[0])
+        return "failed"
+    return how
+
+
 def kill_all(procs, conns) -> None:
     for c in conns:
         try:

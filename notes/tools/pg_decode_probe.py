@@ -42,6 +42,10 @@ stream; the decode graphs, which do not flip it, use one stream for both.)
 --bisect-stream same|default: with `same`, the GEMM's first use and capture share one stream
 (the decode graphs' way); run each in a fresh process (the slow state persists).
 
+(Session 7: `same` flips it as well, 1110 -> 1238 us: not the stream.)
+--bisect-pool: a 16-row GEMM graph in the decode graphs' pool, then an elementwise graph and a
+GEMM graph each in a pool of its own, measuring after each: is it the new memory pool?
+
 --engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
 times its decode graphs: the served configuration.
 """
@@ -90,7 +94,7 @@ def limits(rt) -> dict[str, int]:
     return out
 
 
-def _capture(fn, keep: list, same_stream: bool = False) -> None:
+def _capture(fn, keep: list, same_stream: bool = False, pool=None) -> None:
     """First use on a side stream, then capture fn into a graph kept alive in `keep` (on that
     stream with same_stream, else on torch.cuda.graph's default capture stream)."""
     side = torch.cuda.Stream()
@@ -99,7 +103,7 @@ def _capture(fn, keep: list, same_stream: bool = False) -> None:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side if same_stream else None):
+    with torch.cuda.graph(g, pool=pool, stream=side if same_stream else None):
         fn()
     keep.append(g)
     torch.cuda.synchronize()
@@ -117,6 +121,23 @@ def bisect_captures(core, batches, same_stream: bool = False) -> None:
         for k in (0, 1, 4):
             _capture(lambda k=k: pg._segment(k, 16), keep, same_stream)
             measure(core, batches, f"after segment {k} captured")
+
+
+def bisect_pools(core, batches) -> None:
+    """Session 7: the capture stream does not matter (same and default both flip it). Is it
+    the graph's own memory pool? A 16-row GEMM graph in the decode graphs' pool, then an
+    elementwise-only graph in a pool of its own, then the GEMM in a pool of its own."""
+    keep: list = []
+    w = core.model.lm_head_weight()
+    x = torch.randn(16, w.shape[1], dtype=w.dtype, device=w.device)
+    m = torch.randn(w.shape[1], 4096, dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        _capture(lambda: x @ m, keep, True, pool=core.graphs.pool)
+        measure(core, batches, "GEMM graph, decode pool")
+        _capture(lambda: x * 2 + 1, keep, True)
+        measure(core, batches, "elementwise graph, own pool")
+        _capture(lambda: x @ m, keep, True)
+        measure(core, batches, "GEMM graph, own pool")
 
 
 def kernels(core, b: int, label: str, top: int) -> None:
@@ -198,6 +219,8 @@ def main() -> None:
                    help="capture a 16-row GEMM, then prefill segments 0, 1, 4 one by one, measuring after each")
     p.add_argument("--bisect-stream", choices=["default", "same"], default="default",
                    help="--bisect: capture on torch's default capture stream, or on the first-use stream")
+    p.add_argument("--bisect-pool", action="store_true",
+                   help="a GEMM graph in the decode graphs' pool, an elementwise graph, a GEMM graph in its own pool")
     p.add_argument("--limits", action="store_true",
                    help="print CUDA limits before / after the prefill graphs; restore a grown stack size")
     p.add_argument("--engine-pg", action="store_true",
@@ -235,6 +258,9 @@ def main() -> None:
         measure(core, a.batch, "after a GEMM burst")
     if a.bisect:
         bisect_captures(core, a.batch, a.bisect_stream == "same")
+        return
+    if a.bisect_pool:
+        bisect_pools(core, a.batch)
         return
     rt = _cudart() if a.limits else None
     if rt is not None:

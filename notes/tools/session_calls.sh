@@ -87,6 +87,15 @@ timeout 90 $p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg; $(serve qwen3.5
         "tpphase:60:MSTAR_PHASE_TIMING=1 MSTAR_PHASE_LOG=\$OUT/phase-tp.jsonl $off --concurrency 8 --num-prompts 16 \
 --prefill-graphs on --out ''"
     ;;
+  s7c)  # session 7, call 3 (two H200s, ~9 min): the pool bisect (GPU 0), the tp=2 graphs test (greedy gather, close),
+    # 9B TP2 offline with symm_mem (c8 / c128), the served 9B TP2 row with symm_mem. Carry .gpu, kernel_cache_slim, .whl
+    export KCACHE_DIR=kernel_cache_slim NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    off="python3 -m mstar.bench.offline --model qwen3.5-9b --random-weights --tp 2 --one-engine --out \$OUT/offline.jsonl"
+    run "pool:75:CUDA_VISIBLE_DEVICES=0 python3 notes/tools/pg_decode_probe.py --model qwen3.5-0.8b --batch 8 --bisect-pool" \
+        "tptest:120:python3 -m pytest -m gpu -q -x tests/test_tp.py -k test_tp2_cuda_graphs_match_eager" \
+        "tp9bsymm:90:MSTAR_TP_ALLREDUCE=symm_mem $off --concurrency 8 128" \
+        "serve9b:250:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); grep 'tp close\|tp=2\|tp rank' \$OUT/server-8009.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
