@@ -96,6 +96,12 @@ timeout 90 $p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg; $(serve qwen3.5
         "tp9bsymm:90:MSTAR_TP_ALLREDUCE=symm_mem $off --concurrency 8 128" \
         "serve9b:250:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); grep 'tp close\|tp=2\|tp rank' \$OUT/server-8009.log"
     ;;
+  s7d)  # session 7, call 4 (two H200s, ~6 min): the served 9B TP2 row with symm_mem on a fresh host (call 3's
+    # came after a killed test), then the tp=2 graphs test with room to finish. Carry .gpu, kernel_cache_slim, .whl
+    export KCACHE_DIR=kernel_cache_slim NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "serve9b:180:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); grep 'tp close\|tp start-up\|engine start-up' \$OUT/server-8009.log" \
+        "tptest:170:python3 -m pytest -m gpu -q -x tests/test_tp.py -k test_tp2_cuda_graphs_match_eager -p no:cacheprovider"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
