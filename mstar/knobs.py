@@ -140,7 +140,10 @@ KNOBS: tuple[Knob, ...] = (
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
          "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "
          "NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above. CUDA only: "
-         "elsewhere it has no effect (with a warning).", choices=("nccl", "symm_mem")),
+         "elsewhere it has no effect (with a warning). Measured (2 x H200, offline 9B TP2, prefill graphs on, "
+         "c8/c32/c64/c128, notes/gpu-2026-11-30-s7.md): 1782 / 5722 / 9203 / 12808 tok/s against NCCL's "
+         "1761 / 5688 / 9127 / 12529: +1-2%, near the noise, so the default stays nccl.",
+         choices=("nccl", "symm_mem")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

@@ -219,6 +219,14 @@ class DecodeGraphRunner:
             return self.outputs[b][:d]
         return self._forward_at(b)[:d]
 
+    def release(self) -> None:
+        """Destroy the captured graphs now. Tensor-parallel close needs it: NCCL's teardown
+        (destroy and abort alike) waits until every graph that captured one of its collectives
+        is gone. A graph still in flight is freed when it completes. Later steps run uncaptured."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+
     def row_slots(self, d: int) -> torch.Tensor:
         """With masters: the device master slots of the last staged step's first d rows
         (valid until the next step is staged; stream-ordered)."""

@@ -38,6 +38,7 @@ from dataclasses import fields
 import torch
 
 from mstar import knobs
+from mstar.ops.cache import jit_watch
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
 from mstar.runtime.encoder import CrossEncoder, TokenMasks, whisper_suppress_defaults
@@ -46,6 +47,7 @@ from mstar.runtime.request import CoreOutput, EngineRequest, RequestError, Sampl
 from mstar.runtime.sampler import Sampler
 from mstar.runtime.scheduler import PrefillRow, Scheduler, Sequence
 from mstar.runtime.step_inputs import StepInputBuilder, StepRows
+from mstar.runtime.tp_group import release_graphs
 
 log = logging.getLogger("mstar.runtime")
 
@@ -64,6 +66,11 @@ class EngineCore:
                                   "positions are kept per decode master slot); set both, or neither")
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        # Triton kernel variants built from here on are counted; after the warm-up, each is logged
+        self.jit_watch = jit_watch.install() if self.device.type == "cuda" else None
+        if self.jit_watch is not None:
+            self.jit_watch.mark_ready(False)
+            jit0 = self.jit_watch.summary()
         self.tp = None  # tensor parallel (tp.py): followers, plan broadcast; None when tp = 1
         if config.tp > 1:
             if model is not None:
@@ -174,6 +181,11 @@ class EngineCore:
         if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
             self._warm_up()
         t_warm = time.perf_counter() - t_warm
+        if self.jit_watch is not None:
+            self.jit_watch.mark_ready()
+            jit1 = self.jit_watch.summary()
+            log.info("start-up built %d Triton kernel variants (%.1f s of compiles and cache loads)",
+                     jit1["built"] - jit0["built"], jit1["seconds"] - jit0["seconds"])
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
@@ -633,6 +645,7 @@ class EngineCore:
         if self.phase_timer is not None:
             self.phase_timer.close()
         if self.tp is not None:
+            release_graphs(self.graphs, self.prefill_graphs)  # before the group: NCCL waits for them
             self.tp.close()
 
 

@@ -131,9 +131,7 @@ class PrefillGraphRunner:
                         self._segment(k, n)
                     torch.cuda.current_stream(dev).wait_stream(stream)
                     g = torch.cuda.CUDAGraph()
-                    # capture on the first-use stream, as the decode graphs do: capturing on torch's
-                    # default capture stream slowed every later decode replay (notes/gpu-2026-11-30-s7.md)
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                    with torch.cuda.graph(g, pool=pool):
                         self._segment(k, n)
                     pool = g.pool() if pool is None else pool
                     graphs.append(g)
@@ -143,6 +141,15 @@ class PrefillGraphRunner:
         self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info(dev)[0])
         log.info("prefill graphs: %d token counts (16..%d) x %d segments captured in %.2f s, %.1f MiB",
                  len(self.sizes), self.max_tokens, len(self.layers) + 1, self.capture_s, self.graph_bytes / 2 ** 20)
+
+    def release(self) -> None:
+        """Destroy the captured graphs now. Tensor-parallel close needs it: NCCL's teardown
+        (destroy and abort alike) waits until every graph that captured one of its collectives
+        is gone. A graph still in flight is freed when it completes. Later steps run uncaptured."""
+        for graphs in self.graphs.values():
+            for g in graphs:
+                g.reset()
+        self.graphs.clear()
 
     # --- a step -------------------------------------------------------------------------------
     def fits(self, num_tokens: int) -> bool:

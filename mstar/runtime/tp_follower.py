@@ -18,7 +18,8 @@ import torch
 from mstar.runtime import tp_allreduce
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.step_inputs import StepInputBuilder
-from mstar.runtime.tp_group import COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device, release_group
+from mstar.runtime.tp_group import (COLLECTIVE_TIMEOUT, START_TIMEOUT_S, backend_for, rank_device, release_graphs,
+                                    release_group)
 from mstar.runtime.tp_plan import rebuild, replay_ops
 from mstar.runtime.tp_timing import StepStat, now, sync_once
 
@@ -149,6 +150,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
 
     clock = time.perf_counter
     pgraphs = None  # prefill graphs (prefill_graphs.py), when rank 0 uses them
+    runner = None  # decode graphs (cuda_graphs.py), when rank 0 uses them
     with torch.inference_mode():
         while True:
             t0 = clock()
@@ -221,6 +223,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
         send_startup()
     results.put((rank, "stats", {"steps": step, **st}))
     t = now()
+    release_graphs(runner, pgraphs)  # before the group: NCCL's teardown waits for them
     release_group()
     results.put((rank, "bye", {"t_shutdown": t_shutdown, "destroy_s": now() - t}))
 

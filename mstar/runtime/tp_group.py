@@ -46,13 +46,22 @@ def abort_group() -> None:
 RELEASE_TIMEOUT_S = 10.0
 
 
+def release_graphs(*runners) -> None:
+    """Destroy the graph runners' captured graphs (None: skipped) before the group is released:
+    NCCL's teardown spins until every graph that captured one of its collectives is destroyed
+    (its comm's persistent references), so with graphs alive it never returns."""
+    for r in runners:
+        if r is not None:
+            r.release()
+
+
 def release_group(timeout_s: float = RELEASE_TIMEOUT_S) -> str:
     """Leave the default group at close, every rank on its own: returns how it went.
 
-    NCCL: abort (local). A destroy there can wait on peers: on two H200s (session 7) every tp=2
-    engine's close hung in it once the follower had gone, and the follower's own destroy could
-    wait for rank 0. gloo: destroy. Bounded either way: past timeout_s the process goes on
-    (the group's threads are daemons) and says so."""
+    NCCL: abort (local: a destroy can wait on peers that have gone). Either waits for the graphs
+    that captured its collectives: release_graphs first (on two H200s, session 7, every tp=2
+    close hung here until that). gloo: destroy. Bounded either way: past timeout_s the process
+    goes on (the thread is a daemon) and says so."""
     import threading
 
     import torch.distributed as dist

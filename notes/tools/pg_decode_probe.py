@@ -45,6 +45,9 @@ stream; the decode graphs, which do not flip it, use one stream for both.)
 (Session 7: `same` flips it as well, 1110 -> 1238 us: not the stream.)
 --bisect-pool: a 16-row GEMM graph in the decode graphs' pool, then an elementwise graph and a
 GEMM graph each in a pool of its own, measuring after each: is it the new memory pool?
+(Session 7: no. Each of the three flips it, the elementwise one included: 1108 -> 1231 us.)
+--bisect-count N: N one-kernel graphs, one by one (the engine's max_num_seqs is the largest
+--batch: few decode sizes with --batch 8): does the flip come at some total number of graphs?
 
 --engine-pg builds the engine with its own prefill graphs (in the engine's capture order) and
 times its decode graphs: the served configuration.
@@ -140,6 +143,19 @@ def bisect_pools(core, batches) -> None:
         measure(core, batches, "GEMM graph, own pool")
 
 
+def bisect_count(core, batches, n: int) -> None:
+    """Session 7: any later graph flips it, whatever its stream, pool or kernels. Is it how many
+    graphs the process holds? Capture n one-kernel graphs one by one, measuring after each: with
+    an engine of few decode sizes (--batch 8: 4 graphs), a flip only past some total count says
+    count; a flip at the first says any graph captured apart from the decode runner's."""
+    keep: list = []
+    x = torch.randn(16, 256, device=core.device)
+    with torch.inference_mode():
+        for i in range(n):
+            _capture(lambda: x.mul_(1.0), keep, True)
+            measure(core, batches, f"+{i + 1} graphs ({len(core.graphs.graphs) + i + 1} in all)")
+
+
 def kernels(core, b: int, label: str, top: int) -> None:
     """The decode graph's kernels for batch `b`, from the profiler (20 replays)."""
     from torch.autograd import DeviceType
@@ -221,6 +237,8 @@ def main() -> None:
                    help="--bisect: capture on torch's default capture stream, or on the first-use stream")
     p.add_argument("--bisect-pool", action="store_true",
                    help="a GEMM graph in the decode graphs' pool, an elementwise graph, a GEMM graph in its own pool")
+    p.add_argument("--bisect-count", type=int, default=0, metavar="N",
+                   help="capture N one-kernel graphs one by one, measuring after each (graph count threshold?)")
     p.add_argument("--limits", action="store_true",
                    help="print CUDA limits before / after the prefill graphs; restore a grown stack size")
     p.add_argument("--engine-pg", action="store_true",
@@ -261,6 +279,9 @@ def main() -> None:
         return
     if a.bisect_pool:
         bisect_pools(core, a.batch)
+        return
+    if a.bisect_count:
+        bisect_count(core, a.batch, a.bisect_count)
         return
     rt = _cudart() if a.limits else None
     if rt is not None:

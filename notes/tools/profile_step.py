@@ -6,6 +6,12 @@ for each the step's wall time and the top ops by device time and by host time. A
 "why does a 2048-token prefill step take 450 ms" without guessing.
 
     python notes/tools/profile_step.py --model qwen3.5-0.8b --rows 8 --prompt-len 256 [--decode-graphs off]
+    python notes/tools/profile_step.py --model qwen3.5-9b --tp 2 --rows 8 --decode-graphs auto --async-output auto
+
+With --tp N the profile is rank 0's (the followers run the same kernels). Each profile also
+prints the device time by kind of kernel (GEMM, all-reduce / gather, GDN, attention, norm,
+other) per step, and the device's busy time against the span from the first kernel to the
+last: what a decode step at TP2 spends on its GEMMs, its collectives and its gaps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,35 @@ def _table(prof, key: str, n: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=n, max_name_column_width=70)
 
 
+KINDS = (  # (kind, substrings of the kernel name, lower case), first match wins
+    ("all-reduce / gather", ("nccl", "one_shot", "all_reduce", "allreduce", "allgather", "symm")),
+    ("attention", ("flashinfer", "batchdecode", "batchprefill", "prefill_kernel", "decode_kernel")),
+    ("GDN", ("gdn", "delta", "recurrent", "chunk", "conv1d", "solve_tril", "cumsum", "wy_")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul", "splitk")),
+    ("norm", ("rms", "layer_norm", "norm")),
+)
+
+
+def _kinds(prof, steps: int) -> str:
+    """Device time per step by kind of kernel, busy vs span (CUDA only)."""
+    from torch.autograd import DeviceType
+    ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not ks:
+        return "(no device kernels seen)"
+    by: dict[str, float] = {}
+    for e in ks:
+        name = e.name.lower()
+        kind = next((k for k, subs in KINDS if any(s in name for s in subs)), "other")
+        by[kind] = by.get(kind, 0.0) + e.time_range.elapsed_us()
+    busy = sum(by.values())
+    span = ks[-1].time_range.end - ks[0].time_range.start
+    lines = [f"   device per step: busy {busy / steps:8.1f} us, span {span / steps:8.1f} us, "
+             f"{len(ks) / steps:.0f} kernels"]
+    for k, t in sorted(by.items(), key=lambda kv: -kv[1]):
+        lines.append(f"   {k:<22} {t / steps:8.1f} us  {100 * t / busy:5.1f} %")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-0.8b")
@@ -47,12 +82,15 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--decode-graphs", default="off", choices=["auto", "off"],
                     help="off (default): decode steps run eagerly, so their ops show in the profile")
+    ap.add_argument("--async-output", default="off", choices=["auto", "off"],
+                    help="auto: overlapped decode (with --decode-graphs auto), as served")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the profile is rank 0's)")
     ap.add_argument("--top", type=int, default=25, help="rows per table")
     args = ap.parse_args()
 
     llm = LLM(args.model, random_weights=True, max_num_seqs=max(args.rows, 8),
               max_model_len=args.prompt_len + args.decode_steps + 64, decode_graphs=args.decode_graphs,
-              async_output="off")
+              async_output=args.async_output, tp=args.tp)
     core = llm.engine
     vocab = core.vocab_size
     # warm-up: the same shapes once (first-use compiles and autotuning stay out of the profile)
@@ -72,6 +110,7 @@ def main() -> None:
         _sync()
         wall = time.perf_counter() - t
     print(f"== prefill step: {args.rows} rows x {args.prompt_len} tokens, {wall * 1e3:.1f} ms wall")
+    print(_kinds(prof, 1))
     print(_table(prof, dev_key, args.top))
     print(_table(prof, "self_cpu_time_total", args.top))
 
@@ -83,6 +122,7 @@ def main() -> None:
         wall = time.perf_counter() - t
     print(f"== {args.decode_steps} decode steps at batch {args.rows} (graphs {args.decode_graphs}): "
           f"{wall / args.decode_steps * 1e3:.2f} ms per step")
+    print(_kinds(prof, args.decode_steps))
     print(_table(prof, dev_key, args.top))
     print(_table(prof, "self_cpu_time_total", args.top))
     while core.has_unfinished():

@@ -13,6 +13,7 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
+#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a, s8b: what notes/NEXT.md plans next
 # All of them take ~37 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl (64 MiB in all). Records land in $OUT.
 # DRY=1 prints the stages. Session 5 ran par / par2 / par3 (in git history, notes/gpu-2026-11-30-s5.md).
@@ -101,6 +102,24 @@ timeout 90 $p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg; $(serve qwen3.5
     export KCACHE_DIR=kernel_cache_slim NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     run "serve9b:180:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); grep 'tp close\|tp start-up\|engine start-up' \$OUT/server-8009.log" \
         "tptest:170:python3 -m pytest -m gpu -q -x tests/test_tp.py -k test_tp2_cuda_graphs_match_eager -p no:cacheprovider"
+    ;;
+  s8a)  # session 8, call 1 (two H200s, ~9 min): the tp=2 GPU tests (graphs released before the group; the
+    # vocab-parallel argmax's tokens on NCCL), rank 0's 9B TP2 decode profile, the served 9B TP2 row with the
+    # Triton builds logged. Carry .gpu (CuTe xz aside), kernel_cache_in, .whl (~60 MiB); the cache comes back
+    export PACK_CACHE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "tptests:260:python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_tp.py tests/test_tp_allreduce.py \
+tests/test_prefill_graphs.py -k 'tp2'" \
+        "prof9b:120:python3 notes/tools/profile_step.py --model qwen3.5-9b --tp 2 --rows 8 --decode-graphs auto \
+--async-output auto --top 12" \
+        "serve9b:180:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); \
+grep 'tp close\|start-up\|triton:' \$OUT/server-8009.log | cut -c1-300"
+    ;;
+  s8b)  # session 8, call 2 (one H200, ~8 min): the graph-count bisect, then 0.8B and 4B served with the cache
+    # call s8a brought back. Carry .gpu, kernel_cache_in (refreshed), .whl
+    p="python3 notes/tools/pg_decode_probe.py"
+    run "count:90:$p --model qwen3.5-0.8b --batch 8 --bisect-count 24" \
+        "serve08:200:$(serve qwen3.5-0.8b 8001 8 32 64 128); grep 'triton:' \$OUT/server-8001.log | cut -c1-300" \
+        "serve4b:240:$(serve qwen3.5-4b 8004 8 32 64 128); grep 'triton:' \$OUT/server-8004.log | cut -c1-300"
     ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
