@@ -110,6 +110,7 @@ class DecodeGraphRunner:
         self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stream = None  # the capture stream (capture() makes it)
         self.outputs: dict[int, torch.Tensor] = {}
         attn = model.attention_layers[0] if self.has_attention else None
         empty32 = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -171,7 +172,8 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        # kept: the prefill graphs capture on it too (one capture stream per process; see PrefillGraphRunner)
+        stream = self.stream = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self._stage_padding(b)
             # first use compiles / autotunes kernels: never inside a capture

@@ -218,7 +218,7 @@ class EngineCore:
             self.tp.start_prefill_graphs(capture=capture)
         return PrefillGraphRunner(self.model, device=self.device, dtype=self.dtype,
                                   max_tokens=config.resolve_max_num_batched_tokens(self.device),
-                                  capture=capture)
+                                  capture=capture, stream=getattr(self.graphs, "stream", None))
 
     def _warm_up(self) -> None:
         """Short requests run to their end at start-up, then every trace of them removed: their

@@ -62,7 +62,11 @@ def supported(model) -> str | None:
 
 
 class PrefillGraphRunner:
-    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, max_tokens: int, capture: bool):
+    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, max_tokens: int, capture: bool,
+                 stream=None):
+        """stream: where first uses and captures run (the decode graphs' capture stream, when there
+        is one: session 7 saw every decode replay slow down once a graph was captured on any other
+        stream, notes/gpu-2026-11-30-s7.md; unconfirmed as the cause); default a new one."""
         tm = model.model
         self.embed, self.norm, self.rope = tm.embed_tokens, tm.norm, model.rope
         self.layers = list(tm.layers)
@@ -90,6 +94,7 @@ class PrefillGraphRunner:
                     core_bufs[w] = torch.zeros(n, w, dtype=dtype, device=self.device)
                 self.layer_core.append(core_bufs[w])
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.stream = stream
         self.capture_s = 0.0
         self.graph_bytes = 0
         if capture:
@@ -121,7 +126,7 @@ class PrefillGraphRunner:
         dev = self.device
         free0 = torch.cuda.mem_get_info(dev)[0]
         pool = None
-        stream = torch.cuda.Stream(dev)
+        stream = self.stream if self.stream is not None else torch.cuda.Stream(dev)
         with torch.inference_mode():
             for n in reversed(self.sizes):  # largest first: the pool's blocks fit the smaller ones
                 graphs = []
@@ -131,7 +136,7 @@ class PrefillGraphRunner:
                         self._segment(k, n)
                     torch.cuda.current_stream(dev).wait_stream(stream)
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
                         self._segment(k, n)
                     pool = g.pool() if pool is None else pool
                     graphs.append(g)

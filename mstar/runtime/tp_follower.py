@@ -165,7 +165,8 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
             if msg[0] == "pgraphs":  # the prefill graphs, built (and captured) with rank 0
                 from mstar.runtime.prefill_graphs import PrefillGraphRunner
                 pgraphs = PrefillGraphRunner(model, device=device, dtype=dtype, capture=msg[1],
-                                             max_tokens=config.resolve_max_num_batched_tokens(device))
+                                             max_tokens=config.resolve_max_num_batched_tokens(device),
+                                             stream=getattr(runner, "stream", None))
                 continue
             if msg[0] == "graphs":  # capture the decode graphs with rank 0
                 from mstar.runtime.cuda_graphs import DecodeGraphRunner

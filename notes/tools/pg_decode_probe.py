@@ -46,6 +46,9 @@ stream; the decode graphs, which do not flip it, use one stream for both.)
 --bisect-pool: a 16-row GEMM graph in the decode graphs' pool, then an elementwise graph and a
 GEMM graph each in a pool of its own, measuring after each: is it the new memory pool?
 (Session 7: no. Each of the three flips it, the elementwise one included: 1108 -> 1231 us.)
+--bisect-streams: an op on a fresh stream (no capture), a one-kernel graph captured on the decode
+graphs' own stream, then one on a fresh stream: is it the streams? (Since session 7 the engine
+captures its prefill graphs on the decode graphs' stream: --engine-pg measures that.)
 --bisect-count N: N one-kernel graphs, one by one (the engine's max_num_seqs is the largest
 --batch: few decode sizes with --batch 8): does the flip come at some total number of graphs?
 
@@ -143,6 +146,35 @@ def bisect_pools(core, batches) -> None:
         measure(core, batches, "GEMM graph, own pool")
 
 
+def bisect_streams(core, batches) -> None:
+    """Is it the streams? An elementwise op on a fresh stream (no capture), then an elementwise
+    graph captured on the decode graphs' own capture stream, then one on a fresh stream (the
+    control that flipped it in --bisect-pool)."""
+    keep: list = []
+    x = torch.randn(16, 256, device=core.device)
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.mul_(1.0)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        measure(core, batches, "op on a fresh stream")
+        own = core.graphs.stream
+        own.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(own):
+            x.mul_(1.0)
+        torch.cuda.current_stream().wait_stream(own)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=own):
+            x.mul_(1.0)
+        keep.append(g)
+        torch.cuda.synchronize()
+        measure(core, batches, "graph on the decode stream")
+        _capture(lambda: x.mul_(1.0), keep, True)
+        measure(core, batches, "graph on a fresh stream")
+
+
 def bisect_count(core, batches, n: int) -> None:
     """Session 7: any later graph flips it, whatever its stream, pool or kernels. Is it how many
     graphs the process holds? Capture n one-kernel graphs one by one, measuring after each: with
@@ -237,6 +269,8 @@ def main() -> None:
                    help="--bisect: capture on torch's default capture stream, or on the first-use stream")
     p.add_argument("--bisect-pool", action="store_true",
                    help="a GEMM graph in the decode graphs' pool, an elementwise graph, a GEMM graph in its own pool")
+    p.add_argument("--bisect-streams", action="store_true",
+                   help="an op on a fresh stream, a graph on the decode graphs' stream, one on a fresh stream")
     p.add_argument("--bisect-count", type=int, default=0, metavar="N",
                    help="capture N one-kernel graphs one by one, measuring after each (graph count threshold?)")
     p.add_argument("--limits", action="store_true",
@@ -279,6 +313,9 @@ def main() -> None:
         return
     if a.bisect_pool:
         bisect_pools(core, a.batch)
+        return
+    if a.bisect_streams:
+        bisect_streams(core, a.batch)
         return
     if a.bisect_count:
         bisect_count(core, a.batch, a.bisect_count)

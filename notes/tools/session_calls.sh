@@ -114,10 +114,13 @@ tests/test_prefill_graphs.py -k 'tp2'" \
         "serve9b:180:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128); \
 grep 'tp close\|start-up\|triton:' \$OUT/server-8009.log | cut -c1-300"
     ;;
-  s8b)  # session 8, call 2 (one H200, ~8 min): the graph-count bisect, then 0.8B and 4B served with the cache
-    # call s8a brought back. Carry .gpu, kernel_cache_in (refreshed), .whl
+  s8b)  # session 8, call 2 (one H200, ~10 min): is the decode slowdown the streams (a graph captured on the decode
+    # graphs' own stream vs a fresh one), the engine with its prefill graphs on that stream (since 96bdf6d+), then 0.8B
+    # and 4B served with the cache call s8a brought back. Carry .gpu, kernel_cache_in (refreshed), .whl.
+    # If the decode-stream graph flips it too: --bisect-count 24 next (a graph count threshold?)
     p="python3 notes/tools/pg_decode_probe.py"
-    run "count:90:$p --model qwen3.5-0.8b --batch 8 --bisect-count 24" \
+    run "streams:60:$p --model qwen3.5-0.8b --batch 8 --bisect-streams" \
+        "enginepg:80:$p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg" \
         "serve08:200:$(serve qwen3.5-0.8b 8001 8 32 64 128); grep 'triton:' \$OUT/server-8001.log | cut -c1-300" \
         "serve4b:240:$(serve qwen3.5-4b 8004 8 32 64 128); grep 'triton:' \$OUT/server-8004.log | cut -c1-300"
     ;;
