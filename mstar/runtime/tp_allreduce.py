@@ -38,8 +38,11 @@ class SymmMemAllReduce:
         group = dist.group.WORLD
         self.group_name = group.group_name
         enable = getattr(symm, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before rendezvous by older torch; harmless where deprecated
-            enable(self.group_name)
+        if enable is not None:  # needed before rendezvous by older torch; a no-op (with a warning) in newer
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
         self.dtype = dtype
         self.buf = symm.empty(MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm.rendezvous(self.buf, self.group_name)
