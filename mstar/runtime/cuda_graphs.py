@@ -110,7 +110,8 @@ class DecodeGraphRunner:
         self.cross_plans: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.stream = None  # the capture stream (capture() makes it)
+        self.stream = None  # the capture stream (capture() makes it; the prefill graphs capture on it too)
+        self.pool = None  # the graphs' memory pool (capture() makes it; notes/tools/pg_decode_probe.py reads it)
         self.outputs: dict[int, torch.Tensor] = {}
         attn = model.attention_layers[0] if self.has_attention else None
         empty32 = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -172,7 +173,6 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = self.pool = torch.cuda.graph_pool_handle()
-        # kept: the prefill graphs capture on it too (one capture stream per process; see PrefillGraphRunner)
         stream = self.stream = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self._stage_padding(b)

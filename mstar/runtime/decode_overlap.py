@@ -88,13 +88,17 @@ class DecodeOverlap:
                 return False
         return graphs_fit(core, len(running))
 
+    def vocab_parallel_argmax(self) -> bool:
+        """tp > 1 without per-request masks: the launch takes its tokens with the model's
+        greedy_tokens (each rank's best of its vocab shard, one gather of (value, id) pairs; the
+        logits are never gathered). The step's plan says so: the followers join that collective."""
+        return self.core.tp is not None and not self.core.token_masks.active
+
     # --- launch / finish -----------------------------------------------------------------
     def launch(self, seqs, hidden: torch.Tensor) -> None:
         """Sample the step's rows on the device, start the host copy, leave placeholders."""
         core = self.core
-        if core.tp is not None and not core.token_masks.active:
-            # tp > 1: each rank's best of its vocab shard, one gather of (value, id) pairs, which every
-            # rank joins (the plan said greedy); the logits themselves are never gathered
+        if self.vocab_parallel_argmax():
             tokens = core.model.greedy_tokens(hidden)
         else:
             if core.tp is None:

@@ -443,7 +443,7 @@ class EngineCore:
                 pt.before_forward()
             launch = ov is not None and ov.eligible(sched.decode)
             if self.tp is not None:  # (the followers mirror the launch's vocab-parallel argmax)
-                self.tp.send_graph_step(rows, greedy=launch and not self.token_masks.active)
+                self.tp.send_graph_step(rows, greedy=launch and ov.vocab_parallel_argmax())
             if masters is None:
                 hidden = graphs.run(rows)  # the sampling rows, in order
             else:  # in-graph inputs: the rows' master slots instead of their tokens
@@ -561,7 +561,7 @@ class EngineCore:
         if masters is None:
             loop = prev.tokens
             if self.tp is not None:  # the plan, then the tokens broadcast to every rank's own buffer
-                loop = self.tp.send_chained_step(rows, prev.tokens, greedy=not self.token_masks.active)
+                loop = self.tp.send_chained_step(rows, prev.tokens, greedy=ov.vocab_parallel_argmax())
             hidden = self.graphs.run(rows, loopback=loop)
         else:  # the launch of prev scattered its tokens into the masters the graph reads
             hidden = self.graphs.run(rows, slots=masters.slots_of(sched.decode))

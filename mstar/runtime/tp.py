@@ -445,14 +445,14 @@ class TensorParallel:
         released = release_group()
         t3 = now()
         self._results.close()
-        self.close_timing = {"stop followers": t1 - t0, "monitor": t2 - t1, "destroy group": t3 - t2,
+        self.close_timing = {"stop followers": t1 - t0, "monitor": t2 - t1, "release group": t3 - t2,
                              "total": now() - t0}
         parts = []
         for r in range(1, self.size):
             ex = self.follower_exit.get(r, {})
             got = ex.get("t_shutdown")
             parts.append(f"rank {r}: got it +{dur(None if got is None else got - t0)}, its group released in "
-                         f"{dur(ex.get('destroy_s'))}, exited +{dur(exited.get(r))}"
+                         f"{dur(ex.get('release_s'))}, exited +{dur(exited.get(r))}"
                          + ("" if exited.get(r) is not None else f" (killed: still running after {dur(deadline - t0)})"))
         emit(f"tp close: stop followers {dur(t1 - t0)} ({'; '.join(parts)}), monitor joined {dur(t2 - t1)}, "
              f"group {released} in {dur(t3 - t2)}, total {dur(now() - t0)}")

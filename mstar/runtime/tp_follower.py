@@ -226,5 +226,5 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     t = now()
     release_graphs(runner, pgraphs)  # before the group: NCCL's teardown waits for them
     release_group()
-    results.put((rank, "bye", {"t_shutdown": t_shutdown, "destroy_s": now() - t}))
+    results.put((rank, "bye", {"t_shutdown": t_shutdown, "release_s": now() - t}))
 
