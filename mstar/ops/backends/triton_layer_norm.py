@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mstar.ops.layer_norm import fused_add_layer_norm as fused_add_layer_norm_op
 from mstar.ops.layer_norm import layer_norm as layer_norm_op
-from mstar.ops.backends.triton_norm import load_row, row_buffers
+from mstar.ops.backends.triton_norm import launch_row_norm, load_row
 from mstar.ops.registry import register_backend
 
 
@@ -37,23 +37,12 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_col
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, bias, eps):
-    x2, r2, out, res_out = row_buffers(x, residual)
-    n, h = x2.shape
-    if n:
-        block = triton.next_power_of_2(h)
-        _layer_norm_kernel[(n,)](x2, r2, weight, bias, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0),
-                                 eps, HAS_RES=residual is not None, BLOCK=block,
-                                 num_warps=min(max(block // 256, 1), 8))
-    return out.view(x.shape), res_out.view(x.shape)
-
-
 def layer_norm(x, weight, bias, eps):
-    return _launch(x, None, weight, bias, eps)[0]
+    return launch_row_norm(_layer_norm_kernel, x, None, (weight, bias), eps)[0]
 
 
 def fused_add_layer_norm(x, residual, weight, bias, eps):
-    return _launch(x, residual, weight, bias, eps)
+    return launch_row_norm(_layer_norm_kernel, x, residual, (weight, bias), eps)
 
 
 for _op, _fn in ((layer_norm_op, layer_norm), (fused_add_layer_norm_op, fused_add_layer_norm)):

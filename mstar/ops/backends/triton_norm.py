@@ -51,33 +51,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def row_buffers(x: torch.Tensor, residual: torch.Tensor | None):
-    """A row-wise norm's operands as 2-D rows and its outputs: (x2, r2, out, res_out); without
-    a residual, r2 is x2 and res_out is out (the kernels' HAS_RES=False never touch them)."""
+def launch_row_norm(kernel, x, residual, params: tuple, eps: float, **meta):
+    """(out, new residual) of a row-wise norm kernel whose arguments are (x, residual, *params,
+    out, residual out, n_cols, x_stride, res_stride, out_stride, eps, *meta, HAS_RES, BLOCK),
+    one program per row (load_row reads it). Without a residual, out stands in for the residual
+    output (HAS_RES=False never touches it) and the second result is out."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     r2 = _rows(residual) if residual is not None else x2
-    return x2, r2, out, res_out
-
-
-def _launch_rms(x, residual, weight, eps, zero_centered):
-    x2, r2, out, res_out = row_buffers(x, residual)
     n, h = x2.shape
     if n:
         block = triton.next_power_of_2(h)
-        _rms_norm_kernel[(n,)](x2, r2, weight, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0), eps,
-                               ZERO_CENTERED=zero_centered, HAS_RES=residual is not None, BLOCK=block,
-                               num_warps=min(max(block // 256, 1), 8))
+        kernel[(n,)](x2, r2, *params, out, res_out, h, x2.stride(0), r2.stride(0), out.stride(0), eps, **meta,
+                     HAS_RES=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
     return out.view(x.shape), res_out.view(x.shape)
 
 
 def rms_norm(x, weight, eps, zero_centered):
-    return _launch_rms(x, None, weight, eps, zero_centered)[0]
+    return launch_row_norm(_rms_norm_kernel, x, None, (weight,), eps, ZERO_CENTERED=zero_centered)[0]
 
 
 def fused_add_rms_norm(x, residual, weight, eps, zero_centered):
-    return _launch_rms(x, residual, weight, eps, zero_centered)
+    return launch_row_norm(_rms_norm_kernel, x, residual, (weight,), eps, ZERO_CENTERED=zero_centered)
 
 
 @triton.jit
