@@ -11,8 +11,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The interpreter turns a scalar argument into a one-element array, and its loop bounds call
+# int() on it, which numpy >= 2.3 refuses for arrays of one dimension: a kernel with a
+# `range(0, K, BLOCK)` loop fails under the interpreter alone. Read the element instead.
+_PRELUDE = """
+import triton.runtime.interpreter as _interp
+_patch_tensor = _interp._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_interp._patch_lang_tensor = _patch_lang_tensor
+"""
+
+
 def run_interpreted(script: str):
     """Triton is a dev dependency (pyproject.toml): no skip when it is missing."""
+    script = _PRELUDE + script
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

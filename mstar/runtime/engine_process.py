@@ -37,6 +37,7 @@ import multiprocessing as mp
 import operator
 import os
 import queue
+import faulthandler
 import signal
 import sys
 import threading
@@ -129,6 +130,7 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     # when told to, or when its parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a stuck engine is
     try:
         from mstar.runtime.request import RequestError
         engine = _load_factory(factory_path)(config)

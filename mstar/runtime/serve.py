@@ -21,6 +21,7 @@ import asyncio
 import importlib
 import logging
 import os
+import faulthandler
 import signal
 import socket
 import sys
@@ -206,6 +207,7 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
 
     signal.signal(signal.SIGTERM, early_stop)
     signal.signal(signal.SIGINT, early_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
 
     from mstar.runtime.engine_process import EngineProcess, EngineStartError
 

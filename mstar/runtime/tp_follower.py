@@ -31,8 +31,10 @@ def follower_main(config, rank: int, size: int, port: int, conn, results, thread
     the model and caches, the device context, atexit hooks) would only keep rank 0's close
     waiting, and the OS reclaims all of it."""
     t_first = now()
+    import faulthandler
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a hung follower is
     code = 0
     try:
         _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first)

@@ -74,6 +74,52 @@ def _kinds(prof, steps: int) -> str:
     return "\n".join(lines)
 
 
+def _timed_prefill(core, args, vocab: int) -> None:
+    """Prefill steps without the profiler: the step's wall time (synchronized), when step()
+    returned, and the host time of the forward alone (its launches, as the forward is enqueued:
+    near the wall time means the step is bound by the host)."""
+    spent: list[float] = []
+
+    def timed(fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            spent.append(time.perf_counter() - t)
+            return out
+        return run
+    pg = core.prefill_graphs
+    saved = (core.forward, pg.run if pg is not None else None)
+    core.forward = timed(core.forward)
+    if pg is not None:
+        pg.run = timed(pg.run)
+    walls, hosts, fwds = [], [], []
+    try:
+        for i in range(args.timed):
+            for r in _requests(args.rows, args.prompt_len, vocab, f"timed{i}-", 1):
+                core.add_request(r)
+            spent.clear()
+            _sync()
+            t0 = time.perf_counter()
+            core.step()
+            t1 = time.perf_counter()
+            _sync()
+            walls.append(time.perf_counter() - t0)
+            hosts.append(t1 - t0)
+            fwds.append(sum(spent))
+            while core.has_unfinished():
+                core.step()
+    finally:
+        core.forward = saved[0]
+        if pg is not None:
+            pg.run = saved[1]
+
+    def med(xs):
+        return sorted(xs)[len(xs) // 2] * 1e3
+    print(f"== {args.timed} prefill steps unprofiled ({args.rows} rows x {args.prompt_len} tokens, prefill graphs "
+          f"{'on' if pg is not None else 'off'}): wall {med(walls):.1f} ms, step() returned at {med(hosts):.1f} ms, "
+          f"forward enqueued in {med(fwds):.1f} ms (medians)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-0.8b")
@@ -86,6 +132,8 @@ def main() -> None:
                     help="auto: overlapped decode (with --decode-graphs auto), as served")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the profile is rank 0's)")
     ap.add_argument("--top", type=int, default=25, help="rows per table")
+    ap.add_argument("--timed", type=int, default=5,
+                    help="unprofiled prefill steps of the same shape timed first (0: none)")
     args = ap.parse_args()
 
     llm = LLM(args.model, random_weights=True, max_num_seqs=max(args.rows, 8),
@@ -99,6 +147,9 @@ def main() -> None:
     while core.has_unfinished():
         core.step()
     _sync()
+
+    if args.timed:
+        _timed_prefill(core, args, vocab)
 
     for r in _requests(args.rows, args.prompt_len, vocab, "prof", args.decode_steps + 2):
         core.add_request(r)

@@ -13,7 +13,7 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
-#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a, s8b: what notes/NEXT.md plans next
+#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8c: session 8's
 # All of them take ~37 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl (64 MiB in all). Records land in $OUT.
 # DRY=1 prints the stages. Session 5 ran par / par2 / par3 (in git history, notes/gpu-2026-11-30-s5.md).
@@ -123,6 +123,26 @@ grep 'tp close\|start-up\|triton:' \$OUT/server-8009.log | cut -c1-300"
         "enginepg:80:$p --model qwen3.5-0.8b --batch 8 32 128 --engine-pg" \
         "serve08:200:$(serve qwen3.5-0.8b 8001 8 32 64 128); grep 'triton:' \$OUT/server-8001.log | cut -c1-300" \
         "serve4b:240:$(serve qwen3.5-4b 8004 8 32 64 128); grep 'triton:' \$OUT/server-8004.log | cut -c1-300"
+    ;;
+  s8c)  # session 8, call 2 (two H200s, ~8 min): the decode matmuls, cuBLAS vs the Triton skinny kernel (gemm_bench,
+    # then whole steps with MSTAR_BACKENDS=linear=triton); unprofiled prefill steps (profile_step --timed); the
+    # s8b probes; the tp=2 prefill-graphs test that hung in s8a, with stacks (faulthandler, SIGUSR1 to the follower)
+    export PACK_CACHE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    gb="python3 notes/tools/gemm_bench.py --rows 8"
+    pr="python3 notes/tools/profile_step.py --rows 8 --decode-graphs auto --async-output auto --top 8"
+    p="python3 notes/tools/pg_decode_probe.py"
+    g0="timeout 90 $gb --model qwen3.5-4b; timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider \
+tests/test_ops_linear_triton.py tests/test_gpu_backends.py; timeout 100 $pr --model qwen3.5-4b; \
+MSTAR_BACKENDS=linear=triton timeout 100 $pr --model qwen3.5-4b"
+    g1="timeout 60 $p --model qwen3.5-0.8b --batch 8 --bisect-streams; timeout 80 $p --model qwen3.5-0.8b \
+--batch 8 32 128 --engine-pg; timeout 60 $gb --model qwen3.5-0.8b; timeout 60 $gb --model qwen3.5-9b --tp 2; \
+timeout 80 $pr --model qwen3.5-0.8b; MSTAR_BACKENDS=linear=triton timeout 80 $pr --model qwen3.5-0.8b"
+    run "par:420:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; \
+grep -h -v '^INFO\|^ *[a-zA-Z_:<>(), 0-9.]*  *[0-9.]*%' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220 | tail -150" \
+        "tp2pg:170:(sleep 130; pkill -USR1 -f spawn_main) & timeout 160 python3 -m pytest -m gpu -q -x -s \
+-p no:cacheprovider -o faulthandler_timeout=110 --log-cli-level=INFO tests/test_prefill_graphs.py -k tp2 \
+> \$OUT/tp2pg.log 2>&1; tail -c 6000 \$OUT/tp2pg.log"
     ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
