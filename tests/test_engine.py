@@ -73,6 +73,26 @@ def test_abort_semantics(core):
     core.abort(["q"])  # twice: ignored
     assert core.step() == []
     assert_no_leaks(core)
+    assert not core._t_added  # the one aborted before admission left no arrival time behind
+
+
+def test_admission_stats_count_steps_and_waits(core):
+    """How requests entered steps: a burst added together is one admission step; one added
+    while another runs is a second; the wait is from add_request to the first admission."""
+    import time
+    s0 = core.stats()
+    for i in range(3):
+        core.add_request(EngineRequest(f"burst{i}", PS[i], G))
+    time.sleep(0.05)
+    core.step()  # all three admitted and prefilled in this step
+    run_all(core, [EngineRequest("late", PS[3], G)])
+    s1 = core.stats()
+    assert s1["num_admitted"] - s0["num_admitted"] == 4
+    assert s1["num_admission_steps"] - s0["num_admission_steps"] == 2
+    assert s1["num_prefill_steps"] - s0["num_prefill_steps"] >= 2
+    waited = s1["admission_wait_seconds"] - s0["admission_wait_seconds"]
+    assert 3 * 0.05 <= waited < 3 * 0.05 + 5.0, waited
+    assert not core._t_added
 
 
 def test_min_tokens_and_stop_token_ids(core):

@@ -165,6 +165,12 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        # admission: how requests enter steps (stats(); /metrics as mstar_engine_stat). A burst
+        # admitted over several steps pays a whole prefill step more, and a prefill step's host
+        # cost hardly depends on its token count (notes/gpu-2026-11-30-s8.md)
+        self._t_added: dict[str, float] = {}  # request id -> when it was added, until first admitted
+        self.num_prefill_steps = self.num_admission_steps = self.num_admitted = 0
+        self.admission_wait_s = 0.0  # summed over admitted requests: added -> first admitted
         # MSTAR_PHASE_TIMING: per-step phase times (phase_timing.py); None (the default) costs
         # one `is not None` test per phase boundary and no clock or sync
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
@@ -260,6 +266,8 @@ class EngineCore:
             self._seed_rng = random.Random(self.config.seed)
             self._arrivals = 0
             self.num_steps = self.num_generated_tokens = self.num_prefill_tokens = 0
+            self.num_prefill_steps = self.num_admission_steps = self.num_admitted = 0
+            self.admission_wait_s = 0.0
             if self.overlap is not None:
                 self.overlap.num_chained = 0
 
@@ -355,6 +363,7 @@ class EngineCore:
                        stop_ids=frozenset(stop), seed=int(seed), max_len=self.max_model_len,
                        arrival=self._arrivals, audio=audio, suppress_ids=sup, begin_suppress_ids=begin)
         self._seqs[rid] = seq
+        self._t_added[rid] = time.monotonic()
         self.scheduler.add(seq)
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -372,6 +381,7 @@ class EngineCore:
                                             num_cached_tokens=seq.num_cached_tokens))
 
     def _drop(self, seq: Sequence) -> None:
+        self._t_added.pop(seq.request_id, None)  # aborted before its admission
         self.scheduler.remove(seq)
         self._release_row(seq)
 
@@ -419,6 +429,13 @@ class EngineCore:
             adm = sched.admitted
             masters.write([masters.assign(s.request_id) for s in adm], [s.token_ids[-1] for s in adm],
                           [len(s.token_ids) - 1 for s in adm])
+        if sched.prefill:
+            self.num_prefill_steps += 1
+        first = [t for t in (self._t_added.pop(s.request_id, None) for s in sched.admitted) if t is not None]
+        if first:
+            self.num_admission_steps += 1
+            self.num_admitted += len(first)
+            self.admission_wait_s += len(first) * time.monotonic() - sum(first)
         for seq in sched.admitted:
             if seq.sampler_row < 0:
                 seq.sampler_row = self.sampler.add(seq.params, seq.seed, seq.token_ids[:seq.num_prompt_tokens],
@@ -619,6 +636,10 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "num_prefill_tokens": self.num_prefill_tokens,
+            "num_prefill_steps": self.num_prefill_steps,
+            "num_admission_steps": self.num_admission_steps,  # steps that admitted a new request
+            "num_admitted": self.num_admitted,
+            "admission_wait_seconds": self.admission_wait_s,
             "max_model_len": self.max_model_len,
             "page_size": self.page_size,
         }

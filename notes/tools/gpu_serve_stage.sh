@@ -27,6 +27,8 @@ for level in "$@"; do
   # shellcheck disable=SC2206
   args+=(${BENCH_ARGS:-})
   python3 -m mstar.bench.serve "${args[@]}" 2>&1 | grep -v "^backend\|^---\|^appended" || rc=1
+  # how requests entered steps so far (cumulative; engine_core.py stats)
+  curl -s "http://127.0.0.1:$port/metrics" | sed -n 's/^mstar_engine_stat{name="\(num_steps\|num_prefill_steps\|num_admission_steps\|num_admitted\|admission_wait_seconds\)"} /\1=/p' | tr '\n' ' '; echo
 done
 tail -3 "$out/server-$port.log"
 exit $rc

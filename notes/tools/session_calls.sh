@@ -13,7 +13,7 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
-#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8c: session 8's
+#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8d: session 8's
 # All of them take ~37 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl (64 MiB in all). Records land in $OUT.
 # DRY=1 prints the stages. Session 5 ran par / par2 / par3 (in git history, notes/gpu-2026-11-30-s5.md).
@@ -143,6 +143,19 @@ grep -h -v '^INFO\|^ *[a-zA-Z_:<>(), 0-9.]*  *[0-9.]*%' \$OUT/gpu0.log \$OUT/gpu
         "tp2pg:170:(sleep 130; pkill -USR1 -f spawn_main) & timeout 160 python3 -m pytest -m gpu -q -x -s \
 -p no:cacheprovider -o faulthandler_timeout=110 --log-cli-level=INFO tests/test_prefill_graphs.py -k tp2 \
 > \$OUT/tp2pg.log 2>&1; tail -c 6000 \$OUT/tp2pg.log"
+    ;;
+  s8d)  # session 8, call 3 (two H200s, ~9 min): how c8's requests enter steps (admission stats after each level),
+    # 4B and 0.8B served, then the idle gather (MSTAR_IDLE_GATHER_US=3000) at c8 / c32 on each; the tp=2
+    # prefill-graphs test with stacks (the pattern is bracketed so that pkill does not match this command)
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    g0="$(serve qwen3.5-4b 8004 8 32 64 128); MSTAR_IDLE_GATHER_US=3000 $(serve qwen3.5-4b 8014 8 32)"
+    g1="$(serve qwen3.5-0.8b 8001 8 32 64 128); MSTAR_IDLE_GATHER_US=3000 $(serve qwen3.5-0.8b 8011 8 32)"
+    run "par:330:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; cat \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-250; \
+cd \$OUT && grep -h 'triton:' server-*.log | cut -c1-200 | tail; tar czf logs.tgz server-*.log && rm -f server-*.log" \
+        "tp2pg:170:(sleep 120; pkill -USR1 -f 'spawn_mai[n]') & timeout 160 python3 -m pytest -m gpu -q -x -s \
+-p no:cacheprovider -o faulthandler_timeout=100 --log-cli-level=INFO tests/test_prefill_graphs.py -k tp2 \
+> \$OUT/tp2pg.log 2>&1; tail -c 5000 \$OUT/tp2pg.log"
     ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
