@@ -155,6 +155,13 @@ def test_gdn_and_conv(dtype):
                       hk, dk ** -0.5, 1e-6)
         for b in _fast_backends("gdn_decode_fused"):
             _check("gdn_decode_fused", b, fused_args, 2e-2, mutated=(5,))
+        # the fused prefill (fla: grouped q, k), ragged rows, without and with snapshots
+        zba = r(330, 2 * hv + 8, dtype=dtype)
+        head = (r(330, 2 * hk * dk + hv * dv, dtype=dtype), zba[:, :hv], zba[:, hv:2 * hv],
+                torch.rand(hv, device=DEV).mul(15).add(0.01).log().to(dtype), r(hv, dtype=dtype), fpool, cu, slots)
+        for b in _fast_backends("gdn_prefill_fused"):
+            _check("gdn_prefill_fused", b, (*head, none, none, hk, dk ** -0.5, 1e-6), 2e-2, mutated=(5,))
+            _check("gdn_prefill_fused", b, (*head, snap_t, snap_s, hk, dk ** -0.5, 1e-6), 2e-2, mutated=(5,))
     c, kk = 6144, 4
     cpool = r(10, c, kk - 1, dtype=dtype)
     for b in _fast_backends("causal_conv1d_update"):

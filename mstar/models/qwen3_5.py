@@ -129,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         t = mixed.shape[0]
         nd = ctx.num_decode_tokens
         md = ctx.state
-        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        hk, hv, dv = self.num_k_heads, self.num_v_heads, self.head_v_dim
         z = zba[:, :self.value_dim]
         b = zba[:, self.value_dim:self.value_dim + hv]
         a = zba[:, self.value_dim + hv:]
@@ -143,10 +143,9 @@ class GatedDeltaNet(nn.Module):
         if t > nd:
             conv = ops.causal_conv1d_prefill(mixed[nd:], w, None, self.conv_state, md.prefill_cu_seqlens,
                                              md.prefill_slots, md.snap_token_idx, md.snap_slots, True)
-            q, k, v = ops.split_qkv(conv, hk, dk, hv, dv, L2_EPS)
-            g, beta = ops.gdn_gates(a[nd:], b[nd:], self.A_log, self.dt_bias)
-            outs.append(ops.gdn_prefill(q, k, v, g, beta, self.recurrent_state, md.prefill_cu_seqlens,
-                                        md.prefill_slots, md.snap_token_idx, md.snap_slots, self.scale))
+            outs.append(ops.gdn_prefill_fused(conv, a[nd:], b[nd:], self.A_log, self.dt_bias, self.recurrent_state,
+                                              md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx,
+                                              md.snap_slots, hk, self.scale, L2_EPS))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
         o = self.norm(o.to(mixed.dtype), z.reshape(t, hv, dv))
         return o.reshape(t, self.value_dim)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from mstar.ops.norm import _l2_norm_ref, l2_norm
-from mstar.ops.registry import define_op
+from mstar.ops.registry import define_op, register_backend
 
 CHUNK = 64
 
@@ -232,4 +232,42 @@ gdn_decode_fused = define_op(
     "int num_k_heads, float scale, float eps) -> Tensor",
     reference=_gdn_decode_fused_ref, fake=_gdn_decode_fused_fake)
 
-__all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_gates", "split_qkv"]
+# --- prefill, fused from the conv output ---------------------------------------------------------
+def _gdn_prefill_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                           dt_bias: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor,
+                           slots: torch.Tensor, snap_token_idx: torch.Tensor, snap_slots: torch.Tensor,
+                           num_k_heads: int, scale: float, eps: float) -> torch.Tensor:
+    """Prefill rows of Qwen3.5's Gated DeltaNet from the conv output: split and L2-normalise
+    q, k, gates, chunked recurrence over state_pool[slots] (in place), snapshots -> o [T, Hv, Dv]."""
+    hv, dk, dv = state_pool.shape[1:]
+    q, k, v = split_qkv(mixed, num_k_heads, dk, hv, dv, eps, _l2_norm_ref)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return _gdn_prefill_ref(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale)
+
+
+def _gdn_prefill_fused_fake(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
+                            num_k_heads, scale, eps):
+    return mixed.new_empty((mixed.shape[0], state_pool.shape[1], state_pool.shape[3]))
+
+
+gdn_prefill_fused = define_op(
+    "gdn_prefill_fused",
+    "(Tensor mixed, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state_pool, Tensor cu_seqlens, "
+    "Tensor slots, Tensor snap_token_idx, Tensor snap_slots, int num_k_heads, float scale, float eps) -> Tensor",
+    reference=_gdn_prefill_fused_ref, fake=_gdn_prefill_fused_fake)
+
+
+def _gdn_prefill_composed(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
+                          num_k_heads, scale, eps):
+    """The reference's steps as separate ops, each through its own backend (what the model ran
+    before the fused op; MSTAR_BACKENDS=gdn_prefill_fused=composed brings it back)."""
+    hv, dk, dv = state_pool.shape[1:]
+    q, k, v = split_qkv(mixed, num_k_heads, dk, hv, dv, eps)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale)
+
+
+register_backend(gdn_prefill_fused, "composed", _gdn_prefill_composed, devices=("cpu", "cuda"), priority=-1,
+                 note="split_qkv, gdn_gates and gdn_prefill, each op on its own backend")
+
+__all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_prefill_fused", "gdn_gates", "split_qkv"]

@@ -20,12 +20,30 @@ import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 from mstar.ops import gdn
+from mstar.ops.backends.triton_gdn import gdn_prefill_prep
 from mstar.ops.registry import register_backend
+
+try:  # the chunk forward under fla's autograd wrapper (fla-core 0.6): the same kernels, less host time
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
+    from fla.ops.utils.index import prepare_chunk_indices as _chunk_indices
+except ImportError:  # another fla layout: the public function
+    _chunk_fwd = None
+
+_CHUNK = 64  # fla's default chunk size
 
 
 def _run_chunk(q, k, v, g, beta, init, cu, cu_cpu, scale):
-    o, final = chunk_gated_delta_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(),
-                                      beta.unsqueeze(0), scale=scale, initial_state=init, output_final_state=True,
+    """fla's chunked forward over ragged rows; q, k may have fewer heads than v (grouped: value
+    head h reads key head h // (Hv // Hk)). The wrapper's work (autograd, contiguity and device
+    guards, checks) is skipped when the inputs already satisfy it."""
+    q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0)
+    if (_chunk_fwd is not None and q.device.index == torch.cuda.current_device()
+            and all(t.is_contiguous() for t in (q, k, v, g, beta, init))):
+        _, o, _, final, _, _ = _chunk_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=init,
+                                          output_final_state=True, cu_seqlens=cu,
+                                          chunk_indices=_chunk_indices(cu, _CHUNK, cu_seqlens_cpu=cu_cpu))
+        return o[0], final
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
                                       cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     return o[0], final
 
@@ -139,6 +157,20 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx,
 
 
 @torch.inference_mode()
+def gdn_prefill_fused(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
+                      num_k_heads, scale, eps):
+    """split_qkv + gdn_gates in one Triton launch (q, k left at the key heads: fla groups them),
+    then the chunked recurrence as gdn_prefill."""
+    hv, dk, dv = state_pool.shape[1:]
+    prep = gdn_prefill_prep(mixed, a, b, A_log, dt_bias, num_k_heads, dk, hv, dv, eps)
+    if prep is None:
+        return gdn.gdn_prefill_fused.backends["composed"].fn(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens,
+                                                             slots, snap_token_idx, snap_slots, num_k_heads, scale,
+                                                             eps)
+    return gdn_prefill(*prep, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale)
+
+
+@torch.inference_mode()
 def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
     if q.shape[0] == 0:
         return torch.empty_like(v)
@@ -153,5 +185,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
 
 register_backend(gdn.gdn_prefill, "fla", gdn_prefill, available=torch.cuda.is_available, priority=20,
                  note="fla chunk kernel; snapshots in rounds")
+register_backend(gdn.gdn_prefill_fused, "fla", gdn_prefill_fused, available=torch.cuda.is_available, priority=20,
+                 note="one Triton launch for the split, norms and gates; fla's chunk kernel with grouped q, k")
 register_backend(gdn.gdn_decode, "fla", gdn_decode, available=torch.cuda.is_available, priority=10,
                  note="fla fused recurrent; gather/scatter of the pool rows")

@@ -117,6 +117,56 @@ def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads
     return o
 
 
+@triton.jit
+def _gdn_prefill_prep_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
+                             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, eps, HK: tl.constexpr, HV: tl.constexpr,
+                             DK: tl.constexpr, DV: tl.constexpr):
+    # split_qkv + gdn_gates for one token row and one head slot (q heads, then k heads, then v
+    # heads with their gates), with the composed path's rounding points: q, k normalised in
+    # fp32 and stored in the input dtype, g in fp32, beta = sigmoid(b) in b's dtype. q and k
+    # keep their HK heads (the chunk kernel maps value head h to key head h // (HV // HK))
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    base = mixed_ptr + r * mixed_stride
+    if j < 2 * HK:
+        kk = tl.arange(0, DK)
+        x = tl.load(base + j * DK + kk).to(tl.float32)
+        y = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps))).to(q_ptr.dtype.element_ty)
+        if j < HK:
+            tl.store(q_ptr + (r * HK + j) * DK + kk, y)
+        else:
+            tl.store(k_ptr + (r * HK + j - HK) * DK + kk, y)
+    else:
+        h = j - 2 * HK
+        vv = tl.arange(0, DV)
+        tl.store(v_ptr + (r * HV + h) * DV + vv, tl.load(base + 2 * HK * DK + h * DV + vv))
+        x = tl.load(a_ptr + r * a_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        tl.store(g_ptr + r * HV + h, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+        bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
+        tl.store(beta_ptr + r * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(beta_ptr.dtype.element_ty))
+
+
+def gdn_prefill_prep(mixed, a, b, A_log, dt_bias, num_k_heads: int, dk: int, hv: int, dv: int, eps: float):
+    """(q, k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv] float32, beta [T, Hv]) from the conv output
+    and the gate inputs, in one launch; None where the kernel does not take the shapes (Dk or Dv
+    not a power of two, strided feature dims)."""
+    t = mixed.shape[0]
+    if (dk != triton.next_power_of_2(dk) or dv != triton.next_power_of_2(dv) or mixed.stride(1) != 1
+            or a.stride(1) != 1 or b.stride(1) != 1 or hv % num_k_heads):
+        return None
+    q = mixed.new_empty((t, num_k_heads, dk))
+    k = torch.empty_like(q)
+    v = mixed.new_empty((t, hv, dv))
+    g = torch.empty((t, hv), dtype=torch.float32, device=mixed.device)
+    beta = b.new_empty((t, hv))
+    if t:
+        _gdn_prefill_prep_kernel[(t, 2 * num_k_heads + hv)](
+            mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, q, k, v, g, beta, eps,
+            HK=num_k_heads, HV=hv, DK=dk, DV=dv, num_warps=4)
+    return q, k, v, g, beta
+
+
 register_backend(gdn.gdn_decode, "triton", gdn_decode, available=torch.cuda.is_available, priority=30,
                  note="in place over the state pool")
 register_backend(gdn.gdn_decode_fused, "triton", gdn_decode_fused, available=torch.cuda.is_available, priority=30,
