@@ -13,6 +13,7 @@ is preferred when both are available; MSTAR_BACKENDS picks either).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ try:  # the chunk forward under fla's autograd wrapper (fla-core 0.6): the same 
     from fla.ops.utils.index import prepare_chunk_indices as _chunk_indices
 except ImportError:  # another fla layout: the public function
     _chunk_fwd = None
+_fwd_ok = [_chunk_fwd is not None]
+log = logging.getLogger("mstar.ops")
 
 _CHUNK = 64  # fla's default chunk size
 
@@ -37,12 +40,16 @@ def _run_chunk(q, k, v, g, beta, init, cu, cu_cpu, scale):
     head h reads key head h // (Hv // Hk)). The wrapper's work (autograd, contiguity and device
     guards, checks) is skipped when the inputs already satisfy it."""
     q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0)
-    if (_chunk_fwd is not None and q.device.index == torch.cuda.current_device()
+    if (_fwd_ok[0] and q.device.index == torch.cuda.current_device()
             and all(t.is_contiguous() for t in (q, k, v, g, beta, init))):
-        _, o, _, final, _, _ = _chunk_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=init,
-                                          output_final_state=True, cu_seqlens=cu,
-                                          chunk_indices=_chunk_indices(cu, _CHUNK, cu_seqlens_cpu=cu_cpu))
-        return o[0], final
+        try:
+            _, o, _, final, _, _ = _chunk_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=init,
+                                              output_final_state=True, cu_seqlens=cu,
+                                              chunk_indices=_chunk_indices(cu, _CHUNK, cu_seqlens_cpu=cu_cpu))
+            return o[0], final
+        except (TypeError, ValueError) as e:  # another signature or return (fla version): before any launch
+            _fwd_ok[0] = False
+            log.warning("fla's chunk forward did not take our call (%s); using chunk_gated_delta_rule", e)
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
                                       cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     return o[0], final
