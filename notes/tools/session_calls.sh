@@ -13,7 +13,7 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
-#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8e: session 8's
+#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8f: session 8's
 # All of them take ~37 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl (64 MiB in all). Records land in $OUT.
 # DRY=1 prints the stages. Session 5 ran par / par2 / par3 (in git history, notes/gpu-2026-11-30-s5.md).
@@ -172,6 +172,18 @@ tests/test_prefill_graphs.py tests/test_decode_graphs.py -k 'not tp2 and not whi
 grep -h '^==\|^   [a-zA-Z]\|passed\|failed\|tok/s\|num_steps\|Error' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
 cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log" \
         "serve9b:170:MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128)"
+    ;;
+  s8f)  # session 8, call 5 (two H200s, ~5 min): s8e again after the prep kernel's compile fix, without 9B
+    export PACK_CACHE=0
+    pr="python3 notes/tools/profile_step.py --rows 8 --decode-steps 4 --top 12"
+    old="MSTAR_BACKENDS=gdn_prefill_fused=composed"
+    g0="timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_backends.py -k gdn; \
+timeout 60 $pr --model qwen3.5-4b; $old timeout 60 $pr --model qwen3.5-4b; $(serve qwen3.5-0.8b 8001 8 32)"
+    g1="timeout 45 $pr --model qwen3.5-0.8b; $old timeout 45 $pr --model qwen3.5-0.8b; $(serve qwen3.5-4b 8004 8 32 64 128)"
+    run "par:265:(export CUDA_VISIBLE_DEVICES=0; $g0) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; \
+grep -h '^==\|^   [a-zA-Z]\|passed\|failed\|tok/s\|num_steps\|Error' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
+cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \

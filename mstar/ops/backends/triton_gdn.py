@@ -140,8 +140,9 @@ def _gdn_prefill_prep_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_
         h = j - 2 * HK
         vv = tl.arange(0, DV)
         tl.store(v_ptr + (r * HV + h) * DV + vv, tl.load(base + 2 * HK * DK + h * DV + vv))
-        x = tl.load(a_ptr + r * a_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        # (names apart from the other branch's: Triton types a name across both branches)
+        ax = tl.load(a_ptr + r * a_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        softplus = tl.where(ax > 20.0, ax, tl.log(1.0 + tl.exp(ax)))  # torch's threshold
         tl.store(g_ptr + r * HV + h, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
         bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
         tl.store(beta_ptr + r * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(beta_ptr.dtype.element_ty))
