@@ -59,7 +59,7 @@ g = torch.Generator().manual_seed(%d)
 out = {}
 for dtype in (torch.float16, torch.float32):
     for hk, hv in ((2, 2), (2, 4)):
-        dk, dv, t = 16, 32, 9
+        dk, dv, t = 16, 32, 37  # two blocks of 16 rows and a ragged third
         mixed, a, b, A_log, dt_bias = _inputs(hk, hv, dk, dv, t, dtype, g)
         q, k, v, gg, beta = triton_gdn.gdn_prefill_prep(mixed, a, b, A_log, dt_bias, hk, dk, hv, dv, 1e-6)
         rq, rk, rv = gdn.split_qkv(mixed, hk, dk, hk, dv * hv // hk, 1e-6)  # q, k at the key heads
@@ -82,7 +82,7 @@ def test_prep_kernel_matches_split_and_gates_in_the_interpreter():
         dtype, hk, hv = key.split("-")
         hk, hv = int(hk), int(hv)
         want_dt = "torch.float16" if dtype == "float16" else "torch.float32"
-        assert r["shapes"] == [[9, hk, 16], [9, hk, 16], [9, hv, 32], [9, hv], [9, hv]], (seed, key, r)
+        assert r["shapes"] == [[37, hk, 16], [37, hk, 16], [37, hv, 32], [37, hv], [37, hv]], (seed, key, r)
         assert r["dtypes"] == [want_dt, want_dt, want_dt, "torch.float32", want_dt], (seed, key, r)
         assert r["v"], (seed, key)
         tol = 1e-3 if dtype == "float16" else 1e-6  # one rounding of the output dtype

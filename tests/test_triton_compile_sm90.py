@@ -16,9 +16,11 @@ from mstar.ops.backends import triton_gdn
 def test_gdn_prefill_prep_kernel_compiles_for_sm90(hk, hv):
     ptr = {n: "*bf16" for n in ("mixed_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "q_ptr", "k_ptr", "v_ptr",
                                  "beta_ptr")}
-    sig = {**ptr, "g_ptr": "*fp32", "mixed_stride": "i64", "a_stride": "i64", "b_stride": "i64", "eps": "fp32",
-           "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr"}
+    sig = {**ptr, "g_ptr": "*fp32", "mixed_stride": "i64", "a_stride": "i64", "b_stride": "i64", "T": "i32",
+           "eps": "fp32", "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr",
+           "BLOCK_T": "constexpr"}
     src = ASTSource(fn=triton_gdn._gdn_prefill_prep_kernel, signature=sig,
-                    constexprs={"HK": hk, "HV": hv, "DK": 128, "DV": 128})
+                    constexprs={"HK": hk, "HV": hv, "DK": 128, "DV": 128,
+                                "BLOCK_T": triton_gdn.PREP_BLOCK_T})
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert "cubin" in out.asm and len(out.asm["cubin"]) > 0

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from mstar.models.context import CacheSpec, ForwardContext, ModelCaches
-from mstar import ops
 from mstar.models import parallel
 from mstar.models.layers import (ParallelLMHead, QKNormAttention, RMSNorm, RotaryCache, VocabParallelEmbedding,
                                   weight_map)
@@ -198,16 +197,16 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return ops.linear(hidden, self.lm_head_weight(), None).float()
+            return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
         # vocab-parallel head: every rank computes its rows' logits; gather, drop the padding
-        local = ops.linear(hidden, self.lm_head_weight(), None)
+        local = torch.nn.functional.linear(hidden, self.lm_head_weight())
         return parallel.all_gather_last(local, self.tp_size, self.tp_group)[:, :self.config.vocab_size].float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1), int64 [N]; at tp > 1 without gathering the logits
         (one gather of each rank's best (value, id) per row: parallel.vocab_parallel_argmax).
         Every rank calls it together, as compute_logits."""
-        local = ops.linear(hidden, self.lm_head_weight(), None)
+        local = torch.nn.functional.linear(hidden, self.lm_head_weight())
         if self.tp_size == 1:  # the head's output in the model dtype orders as its float32 copy
             return local.argmax(dim=-1)
         return parallel.vocab_parallel_argmax(local, self.config.vocab_size, self.tp_rank, self.tp_size,

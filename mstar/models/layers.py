@@ -161,7 +161,7 @@ class FusedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, shards={dict(zip(self.shard_names, self.shard_sizes))}"
@@ -176,7 +176,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -194,8 +194,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return ops.linear(x, self.weight, self.bias)
-        y = parallel.all_reduce(ops.linear(x, self.weight, None), self.tp_group)
+            return F.linear(x, self.weight, self.bias)
+        y = parallel.all_reduce(F.linear(x, self.weight), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

@@ -259,15 +259,15 @@ gdn_prefill_fused = define_op(
 
 def _gdn_prefill_composed(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
                           num_k_heads, scale, eps):
-    """The reference's steps as separate ops, each through its own backend (what the model ran
-    before the fused op; MSTAR_BACKENDS=gdn_prefill_fused=composed brings it back)."""
+    """The reference's steps as separate ops, each through its own backend: the CUDA default,
+    and what the model ran before the fused op existed."""
     hv, dk, dv = state_pool.shape[1:]
     q, k, v = split_qkv(mixed, num_k_heads, dk, hv, dv, eps)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     return gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale)
 
 
-register_backend(gdn_prefill_fused, "composed", _gdn_prefill_composed, devices=("cpu", "cuda"), priority=-1,
+register_backend(gdn_prefill_fused, "composed", _gdn_prefill_composed, devices=("cuda",), priority=10,
                  note="split_qkv, gdn_gates and gdn_prefill, each op on its own backend")
 
 __all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_prefill_fused", "gdn_gates", "split_qkv"]

@@ -124,7 +124,8 @@ grep 'tp close\|start-up\|triton:' \$OUT/server-8009.log | cut -c1-300"
         "serve08:200:$(serve qwen3.5-0.8b 8001 8 32 64 128); grep 'triton:' \$OUT/server-8001.log | cut -c1-300" \
         "serve4b:240:$(serve qwen3.5-4b 8004 8 32 64 128); grep 'triton:' \$OUT/server-8004.log | cut -c1-300"
     ;;
-  s8c)  # session 8, call 2 (two H200s, ~8 min): the decode matmuls, cuBLAS vs the Triton skinny kernel (gemm_bench,
+  s8c)  # session 8, call 2 (two H200s, ~8 min; ran at d2ed8f8: the skinny kernel and gemm_bench were removed after,
+    # since cuBLAS was as fast or faster): the decode matmuls, cuBLAS vs the Triton skinny kernel (gemm_bench,
     # then whole steps with MSTAR_BACKENDS=linear=triton); unprofiled prefill steps (profile_step --timed); the
     # s8b probes; the tp=2 prefill-graphs test that hung in s8a, with stacks (faulthandler, SIGUSR1 to the follower)
     export PACK_CACHE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -21,7 +21,6 @@ _MODULES = {
     "mstar.ops.backends.triton_conv1d": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
-    "mstar.ops.backends.triton_linear": "triton",
     "mstar.ops.backends.triton_sampling": "triton",  # priority -1: MSTAR_BACKENDS=sample=triton selects it
     # CuTe DSL kernels compiled ahead of time: loading needs only tvm-ffi (+ libcute_dsl_runtime.so)
     "mstar.ops.backends.cute_norm": "tvm_ffi",

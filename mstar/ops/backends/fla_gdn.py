@@ -13,7 +13,6 @@ is preferred when both are available; MSTAR_BACKENDS picks either).
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 
@@ -24,33 +23,12 @@ from mstar.ops import gdn
 from mstar.ops.backends.triton_gdn import gdn_prefill_prep
 from mstar.ops.registry import register_backend
 
-try:  # the chunk forward under fla's autograd wrapper (fla-core 0.6): the same kernels, less host time
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd as _chunk_fwd
-    from fla.ops.utils.index import prepare_chunk_indices as _chunk_indices
-except ImportError:  # another fla layout: the public function
-    _chunk_fwd = None
-_fwd_ok = [_chunk_fwd is not None]
-log = logging.getLogger("mstar.ops")
-
-_CHUNK = 64  # fla's default chunk size
-
 
 def _run_chunk(q, k, v, g, beta, init, cu, cu_cpu, scale):
     """fla's chunked forward over ragged rows; q, k may have fewer heads than v (grouped: value
-    head h reads key head h // (Hv // Hk)). The wrapper's work (autograd, contiguity and device
-    guards, checks) is skipped when the inputs already satisfy it."""
-    q, k, v, g, beta = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(), beta.unsqueeze(0)
-    if (_fwd_ok[0] and q.device.index == torch.cuda.current_device()
-            and all(t.is_contiguous() for t in (q, k, v, g, beta, init))):
-        try:
-            _, o, _, final, _, _ = _chunk_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=init,
-                                              output_final_state=True, cu_seqlens=cu,
-                                              chunk_indices=_chunk_indices(cu, _CHUNK, cu_seqlens_cpu=cu_cpu))
-            return o[0], final
-        except (TypeError, ValueError) as e:  # another signature or return (fla version): before any launch
-            _fwd_ok[0] = False
-            log.warning("fla's chunk forward did not take our call (%s); using chunk_gated_delta_rule", e)
-    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=True,
+    head h reads key head h // (Hv // Hk), as fla's kernels index it)."""
+    o, final = chunk_gated_delta_rule(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).float(),
+                                      beta.unsqueeze(0), scale=scale, initial_state=init, output_final_state=True,
                                       cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     return o[0], final
 
@@ -192,7 +170,10 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
 
 register_backend(gdn.gdn_prefill, "fla", gdn_prefill, available=torch.cuda.is_available, priority=20,
                  note="fla chunk kernel; snapshots in rounds")
-register_backend(gdn.gdn_prefill_fused, "fla", gdn_prefill_fused, available=torch.cuda.is_available, priority=20,
+# opt-in (MSTAR_BACKENDS=gdn_prefill_fused=fla) until it measures better than the composed ops: on the H200
+# (session 8) its device time per 4B prefill step equalled theirs (the prep kernel, one program per row and
+# head, took 85 us a layer) and the host time moved by less than the run-to-run spread
+register_backend(gdn.gdn_prefill_fused, "fla", gdn_prefill_fused, available=torch.cuda.is_available, priority=-2,
                  note="one Triton launch for the split, norms and gates; fla's chunk kernel with grouped q, k")
 register_backend(gdn.gdn_decode, "fla", gdn_decode, available=torch.cuda.is_available, priority=10,
                  note="fla fused recurrent; gather/scatter of the pool rows")

@@ -119,33 +119,39 @@ def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads
 
 @triton.jit
 def _gdn_prefill_prep_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
-                             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, eps, HK: tl.constexpr, HV: tl.constexpr,
-                             DK: tl.constexpr, DV: tl.constexpr):
-    # split_qkv + gdn_gates for one token row and one head slot (q heads, then k heads, then v
-    # heads with their gates), with the composed path's rounding points: q, k normalised in
-    # fp32 and stored in the input dtype, g in fp32, beta = sigmoid(b) in b's dtype. q and k
-    # keep their HK heads (the chunk kernel maps value head h to key head h // (HV // HK))
-    r = tl.program_id(0).to(tl.int64)
+                             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, T, eps, HK: tl.constexpr, HV: tl.constexpr,
+                             DK: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr):
+    # split_qkv + gdn_gates for BLOCK_T token rows and one head slot (q heads, then k heads,
+    # then v heads with their gates), with the composed path's rounding points: q, k
+    # normalised in fp32 and stored in the input dtype, g in fp32, beta = sigmoid(b) in b's
+    # dtype. q and k keep their HK heads (the chunk kernel maps value head h to key head
+    # h // (HV // HK)). Session 8's first version took one row per program: 85 us a layer
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < T
     j = tl.program_id(1)
-    base = mixed_ptr + r * mixed_stride
+    base = mixed_ptr + rows[:, None] * mixed_stride
     if j < 2 * HK:
         kk = tl.arange(0, DK)
-        x = tl.load(base + j * DK + kk).to(tl.float32)
-        y = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps))).to(q_ptr.dtype.element_ty)
+        x = tl.load(base + j * DK + kk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        y = (x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps))[:, None]).to(q_ptr.dtype.element_ty)
         if j < HK:
-            tl.store(q_ptr + (r * HK + j) * DK + kk, y)
+            tl.store(q_ptr + (rows[:, None] * HK + j) * DK + kk[None, :], y, mask=live[:, None])
         else:
-            tl.store(k_ptr + (r * HK + j - HK) * DK + kk, y)
+            tl.store(k_ptr + (rows[:, None] * HK + j - HK) * DK + kk[None, :], y, mask=live[:, None])
     else:
+        # (names apart from the other branch's: Triton types a name across both branches)
         h = j - 2 * HK
         vv = tl.arange(0, DV)
-        tl.store(v_ptr + (r * HV + h) * DV + vv, tl.load(base + 2 * HK * DK + h * DV + vv))
-        # (names apart from the other branch's: Triton types a name across both branches)
-        ax = tl.load(a_ptr + r * a_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        vals = tl.load(base + 2 * HK * DK + h * DV + vv[None, :], mask=live[:, None], other=0.0)
+        tl.store(v_ptr + (rows[:, None] * HV + h) * DV + vv[None, :], vals, mask=live[:, None])
+        ax = tl.load(a_ptr + rows * a_stride + h, mask=live, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
         softplus = tl.where(ax > 20.0, ax, tl.log(1.0 + tl.exp(ax)))  # torch's threshold
-        tl.store(g_ptr + r * HV + h, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
-        bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
-        tl.store(beta_ptr + r * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(beta_ptr.dtype.element_ty))
+        tl.store(g_ptr + rows * HV + h, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, mask=live)
+        bb = tl.load(b_ptr + rows * b_stride + h, mask=live, other=0.0).to(tl.float32)
+        tl.store(beta_ptr + rows * HV + h, (1.0 / (1.0 + tl.exp(-bb))).to(beta_ptr.dtype.element_ty), mask=live)
+
+
+PREP_BLOCK_T = 16  # rows per program: 16 x 128 elements of one head
 
 
 def gdn_prefill_prep(mixed, a, b, A_log, dt_bias, num_k_heads: int, dk: int, hv: int, dv: int, eps: float):
@@ -162,9 +168,9 @@ def gdn_prefill_prep(mixed, a, b, A_log, dt_bias, num_k_heads: int, dk: int, hv:
     g = torch.empty((t, hv), dtype=torch.float32, device=mixed.device)
     beta = b.new_empty((t, hv))
     if t:
-        _gdn_prefill_prep_kernel[(t, 2 * num_k_heads + hv)](
-            mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, q, k, v, g, beta, eps,
-            HK=num_k_heads, HV=hv, DK=dk, DV=dv, num_warps=4)
+        _gdn_prefill_prep_kernel[(triton.cdiv(t, PREP_BLOCK_T), 2 * num_k_heads + hv)](
+            mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, q, k, v, g, beta, t, eps,
+            HK=num_k_heads, HV=hv, DK=dk, DV=dv, BLOCK_T=PREP_BLOCK_T, num_warps=4)
     return q, k, v, g, beta
 
 
