@@ -83,9 +83,29 @@ def test_symm_mem_declines_what_the_kernel_cannot_take():
     assert not ar(torch.ones(17, dtype=torch.bfloat16)[1:])  # 32 bytes, but 2 bytes past a vector boundary
 
 
+def test_followers_take_rank0s_mode_not_their_environment():
+    """Rank 0 reads MSTAR_TP_ALLREDUCE once and hands it to the followers. A knob set in rank
+    0's process only (override, or a stale reload) must reach them: ranks that sum with different
+    all-reduces never pair up (session 8: a tp=2 test hung after one that left symm_mem behind)."""
+    from tests.test_tp import _closed_cleanly, _engine
+    with knobs.override(MSTAR_TP_ALLREDUCE="symm_mem"):
+        core = _engine("qwen3", 2)
+    try:
+        # symm_mem has no effect on CPU: every rank falls back alike, and says so to rank 0
+        assert core.tp._allreduce_mode == "symm_mem"
+        assert core.tp.allreduce == "nccl" and core.tp.follower_allreduce == [("symm_mem", "nccl")]
+    finally:
+        _closed_cleanly(core)
+    core = _engine("qwen3", 2)
+    try:
+        assert core.tp._allreduce_mode == "nccl" and core.tp.follower_allreduce == [("nccl", "nccl")]
+    finally:
+        _closed_cleanly(core)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_tp2_symm_mem_all_reduce_matches_nccl(monkeypatch):
+def test_tp2_symm_mem_all_reduce_matches_nccl():
     """tp=2 with decode graphs and overlapped decode: the one-shot all-reduce on symmetric
     memory gives the NCCL engine's tokens. Run on the two-GPU host (multicast stays off)."""
     from engine_helpers import model_dir
@@ -97,14 +117,15 @@ def test_tp2_symm_mem_all_reduce_matches_nccl(monkeypatch):
                 max_model_len=256)
     ps = PS
     outs = []
-    for mode in ("nccl", "symm_mem"):
-        monkeypatch.setenv("MSTAR_TP_ALLREDUCE", mode)  # the followers read it from their environment
-        knobs.reload()
-        core = EngineCore(EngineConfig(**opts))
-        try:
-            assert core.tp.allreduce == mode
-            outs.append(_greedy(core, ps, 16))
-        finally:
-            _closed_cleanly(core)
-    knobs.reload()
+    try:
+        for mode in ("nccl", "symm_mem"):
+            with knobs.override(MSTAR_TP_ALLREDUCE=mode):  # rank 0 hands its mode to the followers
+                core = EngineCore(EngineConfig(**opts))
+            try:
+                assert core.tp.allreduce == mode
+                outs.append(_greedy(core, ps, 16))
+            finally:
+                _closed_cleanly(core)
+    finally:
+        knobs.reload()  # session 8: a stale symm_mem here hung the next tp=2 test (its followers said nccl)
     assert outs[0] == outs[1]

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.runtime import tp_allreduce
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_follower import follower_main
@@ -93,6 +94,7 @@ class TensorParallel:
         self.size = int(config.tp)
         self.device = torch.device(device)
         self.allreduce = "nccl"  # what sums the row-parallel outputs (tp_allreduce.py), set once the group is up
+        self.follower_allreduce: list[tuple[str, str]] = []  # each follower's (asked, installed): "ready"
         if dist.is_initialized():
             raise RuntimeError("tp: torch.distributed is already initialised in this process; the engine "
                                "starts its own tensor-parallel group")
@@ -129,12 +131,16 @@ class TensorParallel:
         self._results = mp.Queue()
         self._procs, self._conns = [], []
         threads = torch.get_num_threads()
+        # rank 0 reads the knob once and tells the followers: a follower reading its own environment
+        # could disagree (a knobs.override in this process, a test's stale knob) and the ranks'
+        # all-reduces would never pair up
+        self._allreduce_mode = knobs.value("MSTAR_TP_ALLREDUCE")
         t = now()
         for r in range(1, self.size):
             recv, send = mp.Pipe(duplex=False)
             p = mp.Process(target=follower_main, name=f"mstar-tp{r}", daemon=True,
                            args=(config, r, self.size, self._store.port, recv, self._results, threads,
-                                 self._test_fault, COLLECTIVE_TIMEOUT, now()))
+                                 self._test_fault, COLLECTIVE_TIMEOUT, now(), self._allreduce_mode))
             p.start()
             recv.close()
             self._procs.append(p)
@@ -173,7 +179,7 @@ class TensorParallel:
             t = now()
             dist.init_process_group(backend_for(self.device), store=self._store, rank=0, world_size=self.size,
                                     timeout=COLLECTIVE_TIMEOUT)
-            self.allreduce = tp_allreduce.setup(self.device, dtype)  # collective: the followers do the same
+            self.allreduce = tp_allreduce.setup(self.device, dtype, self._allreduce_mode)  # the followers alike
             self.startup["init_process_group"] = now() - t
         except BaseException:
             self.close()
@@ -240,8 +246,13 @@ class TensorParallel:
         """The followers have (or are allocating) the same caches: wait for them, then the
         engine may step. Rank 0's forward / compute_logits raise TPError on follower errors."""
         t = now()
-        self._wait_all("ready")
+        ready = self._wait_all("ready")
         self.startup_waits["followers' caches"] = now() - t
+        self.follower_allreduce = [(r["asked"], r["allreduce"]) for r in ready]
+        if any(m != (self._allreduce_mode, self.allreduce) for m in self.follower_allreduce):
+            # their collectives would never pair up: fail now rather than hang at the first step
+            self._fail_start(f"tensor-parallel ranks sum differently: rank 0 (asked, installed) "
+                             f"{(self._allreduce_mode, self.allreduce)}, followers {self.follower_allreduce}")
         self._monitor = threading.Thread(target=self._watch, name="mstar-tp-monitor", daemon=True)
         self._monitor.start()
         model.forward = self._guard(model.forward, first=True)

@@ -60,9 +60,11 @@ class SymmMemAllReduce:
         return True
 
 
-def setup(device: torch.device, dtype: torch.dtype) -> str:
-    """Install the all-reduce the knob asks for on this rank; returns what is in use."""
-    want = knobs.value("MSTAR_TP_ALLREDUCE")
+def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> str:
+    """Install the all-reduce `want` names (default: the knob's) on this rank; returns what is
+    in use. Every rank must pass the same `want` (rank 0 sends its own to the followers)."""
+    if want is None:
+        want = knobs.value("MSTAR_TP_ALLREDUCE")
     parallel.install_all_reduce(None)
     if want == "nccl":
         return "nccl"

@@ -25,8 +25,11 @@ from mstar.runtime.tp_timing import StepStat, now, sync_once
 
 
 def follower_main(config, rank: int, size: int, port: int, conn, results, threads: int, fault,
-                  timeout: timedelta = COLLECTIVE_TIMEOUT, t_spawn: float | None = None) -> None:
+                  timeout: timedelta = COLLECTIVE_TIMEOUT, t_spawn: float | None = None,
+                  allreduce: str = "nccl") -> None:
     """Entry point of follower `rank`: load the shard, allocate caches, run every plan.
+    allreduce: rank 0's MSTAR_TP_ALLREDUCE (tp_allreduce.py), so that every rank sums alike
+    whatever this process's environment or knob overrides say.
     It leaves with os._exit once its reports are flushed: the interpreter's teardown (freeing
     the model and caches, the device context, atexit hooks) would only keep rank 0's close
     waiting, and the OS reclaims all of it."""
@@ -37,7 +40,7 @@ def follower_main(config, rank: int, size: int, port: int, conn, results, thread
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a hung follower is
     code = 0
     try:
-        _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first)
+        _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first, allreduce)
     except BaseException:  # noqa: BLE001 -- reported to rank 0
         code = 1
         try:
@@ -76,7 +79,8 @@ class _FirstCall:
         return out
 
 
-def _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first) -> None:
+def _follower(config, rank, size, port, conn, results, threads, fault, timeout, t_spawn, t_first,
+              allreduce) -> None:
     ph: dict[str, float | None] = {"spawn": None if t_spawn is None else t_first - t_spawn}
     extra: dict[str, float | None] = {}
     t = now()
@@ -106,7 +110,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     t = now()
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
-    tp_allreduce.setup(device, dtype)  # collective: rank 0 does the same
+    summing = tp_allreduce.setup(device, dtype, allreduce)  # collective: rank 0 does the same
     ph["init_process_group"] = now() - t
 
     t = now()
@@ -119,7 +123,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     cm = CacheManager(model.cache_spec(), device=device, **msg[1])
     model.bind_caches(cm.caches)
     ph["caches"] = now() - t2
-    results.put((rank, "ready", None))
+    results.put((rank, "ready", {"asked": allreduce, "allreduce": summing}))
     t_ready = now()
 
     unpack = StepInputBuilder(page_size=cm.page_size, device=device, has_attention=cm.has_attention,
