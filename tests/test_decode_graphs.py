@@ -199,8 +199,8 @@ def test_admission_batching_groups_prefills_and_keeps_tokens():
 
 
 def test_admission_batching_waits_at_most_admit_max_wait_steps():
-    core = engine("qwen3", page_size=4, max_num_seqs=8, decode_graphs="static", admit_min_free=8)
-    core.scheduler.admit_max_wait = 3
+    core = engine("qwen3", page_size=4, max_num_seqs=8, decode_graphs="static", admit_min_free=8, admit_max_wait=3)
+    assert core.scheduler.admit_max_wait == 3
     for i, p in enumerate(prompts(8, 3, 6, seed=9)):
         core.add_request(EngineRequest(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
     core.step()

@@ -379,3 +379,17 @@ def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
             signal.signal(s, h)
     assert time.monotonic() - t0 < 5
     assert "HTTP server cannot start" in caplog.text
+
+
+def test_admission_flags_reach_the_engine_config():
+    from mstar.runtime import serve
+    from mstar.runtime.config import EngineConfig
+    args = serve.parse_args(["--admit-min-free", "3", "--admit-max-wait", "5"], "mstar serve")
+    cfg = serve.engine_config(args)
+    assert (cfg.admit_min_free, cfg.admit_max_wait) == (3, 5)
+    default = serve.engine_config(serve.parse_args([], "mstar serve"))
+    assert (default.admit_min_free, default.admit_max_wait) == (None, 16)
+    with pytest.raises(ValueError, match="admit_max_wait"):
+        EngineConfig(model="tiny-qwen3.5", admit_max_wait=-1)
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--admit-max-wait", "-2"], "mstar serve")

@@ -55,6 +55,9 @@ class EngineConfig:
     # admission batching (scheduler.py): admit this many at once (None = max_num_seqs // 4 when
     # decode graphs run, else 0: at once)
     admit_min_free: int | None = None
+    # ...or once they have been held this many steps (session 8, 4B at c128: requests waited 155 ms
+    # on average, about 16 decode steps, between arrival and admission)
+    admit_max_wait: int = 16
     # torch.compile the model's forward (compiled_forward.py): "on" (every step), "decode" (only
     # the forward the decode graphs capture: two compiles, b = 1 and b > 1), "off"; "auto" is off
     # until it measures faster (eager steps recompile per new 0/1-sized input: minutes on the H200)
@@ -101,6 +104,8 @@ class EngineConfig:
         pos("max_num_batched_tokens", True)
         if self.admit_min_free is not None and (not isinstance(self.admit_min_free, int) or self.admit_min_free < 0):
             raise ValueError(f"admit_min_free: must be >= 0, got {self.admit_min_free!r}")
+        if not isinstance(self.admit_max_wait, int) or self.admit_max_wait < 0:
+            raise ValueError(f"admit_max_wait: must be an int >= 0, got {self.admit_max_wait!r}")
         pos("tp")
         pos("max_graph_batch")
         if self.compile not in ("auto", "on", "decode", "off"):

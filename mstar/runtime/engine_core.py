@@ -156,6 +156,7 @@ class EngineCore:
         if admit is None:
             admit = config.max_num_seqs // 4 if self.graphs is not None else 0
         self.scheduler.admit_min_free = admit
+        self.scheduler.admit_max_wait = config.admit_max_wait
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}

@@ -102,10 +102,14 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                         "decode steps run eagerly.")
     e.add_argument("--admit-min-free", type=_nonneg_int, default=None,
                    help="While decodes run, admit new requests once this many can be admitted together (rows "
-                        "free and requests waiting) or after 16 held steps, so prefills run in few large steps; "
+                        "free and requests waiting) or after --admit-max-wait held steps, so prefills run in few "
+                        "large steps; "
                         "default: max-num-seqs / 4 with decode graphs, else 0 (admit at once). The batch waited "
                         "for is at most a quarter of the requests in the engine, so a burst at low concurrency "
                         "goes in at once.")
+    e.add_argument("--admit-max-wait", type=_nonneg_int, default=16,
+                   help="Most decode steps a request waiting for an admission batch (--admit-min-free) is held "
+                        "before it is admitted anyway; 0: never held.")
     e.add_argument("--async-output", default="auto", choices=["auto", "on", "off"],
                    help="Overlapped decode: launch each graph-replayed decode step before the previous step's "
                         "tokens are read back (they feed the next step on the device). Greedy rows without "
@@ -163,8 +167,8 @@ def engine_config(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,
                         decode_graphs=args.decode_graphs, max_graph_batch=args.max_graph_batch,
                         prefill_graphs=args.prefill_graphs,
-                        compile=args.compile, admit_min_free=args.admit_min_free, async_output=args.async_output,
-                        warmup=args.warmup)
+                        compile=args.compile, admit_min_free=args.admit_min_free,
+                        admit_max_wait=args.admit_max_wait, async_output=args.async_output, warmup=args.warmup)
 
 
 def _setup_logging(level_name: str | None) -> None:
