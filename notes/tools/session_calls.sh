@@ -13,7 +13,7 @@
 #   tp     (two H200s, ~8 min): the tp GPU tests, 9B at TP2, one point with phase timing
 #   tp2    (two H200s, ~6 min): 9B at TP2 with prefill graphs, and with the symm_mem all-reduce
 #   hf     (one H200, ~5 min): HF transformers generate at c8 and c32 (BENCH.md's baseline)
-#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8f: session 8's
+#   s7a-s7d: session 7's calls (notes/gpu-2026-11-30-s7.md); s8a-s8f: session 8's; s9a, s9b: what notes/NEXT.md plans next
 # All of them take ~37 min: more than a session's 30. Pick by what the issues still lack.
 # Carry: .gpu (CuTe xz moved aside), kernel_cache_in, .whl (64 MiB in all). Records land in $OUT.
 # DRY=1 prints the stages. Session 5 ran par / par2 / par3 (in git history, notes/gpu-2026-11-30-s5.md).
@@ -185,6 +185,29 @@ timeout 60 $pr --model qwen3.5-4b; $old timeout 60 $pr --model qwen3.5-4b; $(ser
 (export CUDA_VISIBLE_DEVICES=1; $g1) > \$OUT/gpu1.log 2>&1 & wait; \
 grep -h '^==\|^   [a-zA-Z]\|passed\|failed\|tok/s\|num_steps\|Error' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
 cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
+  s9a)  # session 9, call 1 (two H200s, ~9 min): the tp=2 tests in one process (the stale-knob hang fixed),
+    # the fused GDN prefill's GPU check and timing (16 rows per prep program), 4B at c128 with shorter admission
+    # holds (--admit-max-wait 4 and 8) against the default, each on a fresh server
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    pr="python3 notes/tools/profile_step.py --rows 8 --decode-steps 4 --top 12"
+    new="MSTAR_BACKENDS=gdn_prefill_fused=fla"
+    run "tests:300:timeout 290 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py \
+tests/test_tp_allreduce.py tests/test_prefill_graphs.py tests/test_gpu_backends.py -k 'tp2 or gdn'" \
+        "par:270:(export CUDA_VISIBLE_DEVICES=0; timeout 60 $pr --model qwen3.5-4b; $new timeout 60 $pr --model qwen3.5-4b; \
+SERVER_ARGS='--admit-max-wait 4' $(serve qwen3.5-4b 8004 128)) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; $(serve qwen3.5-4b 8014 128); SERVER_ARGS='--admit-max-wait 8' $(serve qwen3.5-4b 8024 128)) \
+> \$OUT/gpu1.log 2>&1 & wait; grep -h '^==\|tok/s\|num_steps' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
+cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
+  s9b)  # session 9, call 2 (two H200s, ~9 min): 9B TP2 served with the idle gather; HF transformers at c8 / c32
+    # beside a 0.8B server (issue 7 asks for HF in the same run)
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "serve9b:180:MSTAR_IDLE_GATHER_US=3000 MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128)" \
+        "hf:300:(export CUDA_VISIBLE_DEVICES=0; $(serve qwen3.5-0.8b 8001 8 32 64 128)) > \$OUT/gpu0.log 2>&1 & \
+(export CUDA_VISIBLE_DEVICES=1; for c in 8 32; do timeout 120 python3 -m mstar.bench.serve --backend hf \
+--model qwen3.5-0.8b --random-weights --concurrency \$c --num-prompts \$c --results-dir \$OUT; done) > \$OUT/gpu1.log 2>&1 & \
+wait; grep -h 'tok/s\|num_steps' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220"
     ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
