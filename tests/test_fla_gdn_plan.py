@@ -41,7 +41,7 @@ def fla_backend(monkeypatch):
     for n, m in mods.items():
         monkeypatch.setitem(sys.modules, n, m)
     monkeypatch.delitem(sys.modules, "mstar.ops.backends.fla_gdn", raising=False)
-    saved = [(op, dict(op.backends)) for op in (gdn.gdn_prefill, gdn.gdn_decode)]
+    saved = [(op, dict(op.backends)) for op in (gdn.gdn_prefill, gdn.gdn_decode, gdn.gdn_prefill_fused)]
     mod = importlib.import_module("mstar.ops.backends.fla_gdn")
     yield mod
     for op, b in saved:  # the registry as it was (the stand-in must not stay registered)
@@ -126,6 +126,11 @@ def test_fla_plan_in_the_engine_matches_the_reference(fla_backend, monkeypatch):
     fla = gdn.gdn_prefill.backends["fla"]
     gdn.gdn_prefill.backends["fla"] = Backend("fla", fla.fn, ("cpu",), lambda: True, fla.priority, fla.note)
     gdn.gdn_prefill._resolved.clear()
+    # the model calls gdn_prefill_fused: its composed backend (the CUDA default) reaches gdn_prefill
+    comp = gdn.gdn_prefill_fused.backends["composed"]
+    gdn.gdn_prefill_fused.backends["composed"] = Backend("composed", comp.fn, ("cpu",), lambda: True,
+                                                         comp.priority, comp.note)
+    gdn.gdn_prefill_fused._resolved.clear()
     built = []
     real = fla_backend._build_plan
     monkeypatch.setattr(fla_backend, "_build_plan", lambda *a: built.append(1) or real(*a))

@@ -222,7 +222,8 @@ def _gdn_decode_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return _gdn_decode_ref(q, k, v, g, beta, state_pool, slots, scale)
 
 
-def _gdn_decode_fused_fake(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps):
+def _fused_fake(mixed, a, b, A_log, dt_bias, state_pool, *rest):
+    """The fused ops' output (decode and prefill alike): [rows, Hv, Dv] in the conv output's dtype."""
     return mixed.new_empty((mixed.shape[0], state_pool.shape[1], state_pool.shape[3]))
 
 
@@ -230,7 +231,8 @@ gdn_decode_fused = define_op(
     "gdn_decode_fused",
     "(Tensor mixed, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state_pool, Tensor slots, "
     "int num_k_heads, float scale, float eps) -> Tensor",
-    reference=_gdn_decode_fused_ref, fake=_gdn_decode_fused_fake)
+    reference=_gdn_decode_fused_ref, fake=_fused_fake)
+
 
 # --- prefill, fused from the conv output ---------------------------------------------------------
 def _gdn_prefill_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -245,16 +247,11 @@ def _gdn_prefill_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return _gdn_prefill_ref(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots, scale)
 
 
-def _gdn_prefill_fused_fake(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
-                            num_k_heads, scale, eps):
-    return mixed.new_empty((mixed.shape[0], state_pool.shape[1], state_pool.shape[3]))
-
-
 gdn_prefill_fused = define_op(
     "gdn_prefill_fused",
     "(Tensor mixed, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state_pool, Tensor cu_seqlens, "
     "Tensor slots, Tensor snap_token_idx, Tensor snap_slots, int num_k_heads, float scale, float eps) -> Tensor",
-    reference=_gdn_prefill_fused_ref, fake=_gdn_prefill_fused_fake)
+    reference=_gdn_prefill_fused_ref, fake=_fused_fake)
 
 
 def _gdn_prefill_composed(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, slots, snap_token_idx, snap_slots,
