@@ -140,6 +140,12 @@ KNOBS: tuple[Knob, ...] = (
          "instead of two, TTFT p50 73 against 105 ms), c32 5909 against 5867; 0.8B c8 4204 against 4557 and c32 "
          "13851 against 14519 (its waves still took two steps: 17 prefill steps for 72 requests). Mixed, so the "
          "default stays 0.", minimum=0),
+    Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
+         "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
+         "bfloat16, which halves the bytes a decode step reads and writes per row (at 4B and batch 128 about "
+         "13 GB a step in float32) and the memory per sequence. Every kernel still computes in float32 and "
+         "rounds the state when it stores it. Not yet measured on a GPU.",
+         choices=("float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
          "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "

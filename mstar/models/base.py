@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from mstar import knobs
 from mstar.models.context import CacheSpec, ForwardContext, ModelCaches
 from mstar.models import parallel
 from mstar.models.layers import (ParallelLMHead, QKNormAttention, RMSNorm, RotaryCache, VocabParallelEmbedding,
@@ -154,7 +155,7 @@ class DecoderLM(nn.Module):
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(attention=tuple(m.spec() for m in self.attention_layers),
                          state=tuple(m.spec() for m in self.state_layers),
-                         state_dtype=torch.float32)
+                         state_dtype=getattr(torch, knobs.value("MSTAR_GDN_STATE_DTYPE")))
 
     def _bind_paged_kv(self, caches: ModelCaches) -> None:
         """Check the paged K/V pools against the attention layers and bind them."""

@@ -65,10 +65,11 @@ class RankMemory:
     padding_bytes: int  # vocabulary padding rows (embedding / head), zero
     buffer_bytes: int  # non-weight buffers (the fp32 rope table), whole on every rank
     kv_bytes_per_token: int
-    state_bytes_per_sequence: int  # fp32 recurrent state + conv state in `dtype`
+    state_bytes_per_sequence: int  # recurrent state in `state_dtype` + conv state in `dtype`
     num_attention_layers: int
     num_state_layers: int
     replicated_names: tuple[str, ...] = ()  # distinct kinds of replicated tensors (name without layer index)
+    state_dtype: str = "float32"  # the recurrent state's (MSTAR_GDN_STATE_DTYPE)
 
     @property
     def resident_bytes(self) -> int:
@@ -104,7 +105,7 @@ def rank_memory(config, rank: int, size: int, dtype: torch.dtype = torch.bfloat1
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype),
         state_bytes_per_sequence=spec.state_bytes_per_sequence(dtype),
         num_attention_layers=len(spec.attention), num_state_layers=len(spec.state),
-        replicated_names=tuple(names))
+        replicated_names=tuple(names), state_dtype=str(spec.state_dtype).replace("torch.", ""))
 
 
 # --- cache sizing (runtime.config.size_caches, CUDA, num_pages from memory) -------------------------
@@ -208,7 +209,8 @@ class MemoryPlan:
             f"  buffers per rank (fp32 rope table): {human_bytes(r.buffer_bytes)}",
             f"  KV cache per token per rank: {human_bytes(r.kv_bytes_per_token)} over {r.num_attention_layers} "
             f"attention layers",
-            f"  state per sequence per rank (fp32 recurrent, {dt} conv): "
+            f"  state per sequence per rank ({'fp32' if r.state_dtype == 'float32' else r.state_dtype} recurrent, "
+            f"{dt} conv): "
             f"{human_bytes(r.state_bytes_per_sequence)} over {r.num_state_layers} Gated DeltaNet layers",
             f"  cache budget per rank: ({self.gpu_mem_bytes / g:.2f} GiB GPU - {r.resident_bytes / g:.2f} GiB "
             f"weights+buffers - {self.reserve_bytes / g:.2f} GiB reserve) x {self.cache_fraction} = "

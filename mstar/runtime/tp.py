@@ -95,6 +95,8 @@ class TensorParallel:
         self.device = torch.device(device)
         self.allreduce = "nccl"  # what sums the row-parallel outputs (tp_allreduce.py), set once the group is up
         self.follower_allreduce: list[tuple[str, str]] = []  # each follower's (asked, installed): "ready"
+        self._state_dtype = "float32"  # rank 0's recurrent-state dtype, sent with the cache sizes
+        self.follower_state_dtype: list[str] = []  # what each follower allocated
         if dist.is_initialized():
             raise RuntimeError("tp: torch.distributed is already initialised in this process; the engine "
                                "starts its own tensor-parallel group")
@@ -226,8 +228,9 @@ class TensorParallel:
     def cache_manager(self, *a, **kw) -> MirroredCacheManager:
         """Rank 0's caches; the followers are told the sizes first and allocate theirs meanwhile."""
         self._cache_kw = {k: v for k, v in kw.items() if k != "device"}
-        try:
-            self._send(("caches", self._cache_kw))
+        self._state_dtype = str(a[0].state_dtype).replace("torch.", "")
+        try:  # with rank 0's state dtype (MSTAR_GDN_STATE_DTYPE): a follower's own knob could differ
+            self._send(("caches", self._cache_kw, self._state_dtype))
         except (BrokenPipeError, EOFError, OSError):
             pass  # a follower already gone: attach's wait reports it
         try:
@@ -249,10 +252,14 @@ class TensorParallel:
         ready = self._wait_all("ready")
         self.startup_waits["followers' caches"] = now() - t
         self.follower_allreduce = [(r["asked"], r["allreduce"]) for r in ready]
+        self.follower_state_dtype = [r["state_dtype"] for r in ready]
         if any(m != (self._allreduce_mode, self.allreduce) for m in self.follower_allreduce):
             # their collectives would never pair up: fail now rather than hang at the first step
             self._fail_start(f"tensor-parallel ranks sum differently: rank 0 (asked, installed) "
                              f"{(self._allreduce_mode, self.allreduce)}, followers {self.follower_allreduce}")
+        if any(d != self._state_dtype for d in self.follower_state_dtype):
+            self._fail_start(f"tensor-parallel ranks keep their GDN state differently: rank 0 {self._state_dtype}, "
+                             f"followers {self.follower_state_dtype}")
         self._monitor = threading.Thread(target=self._watch, name="mstar-tp-monitor", daemon=True)
         self._monitor.start()
         model.forward = self._guard(model.forward, first=True)

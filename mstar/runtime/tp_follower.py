@@ -5,6 +5,7 @@ target (pickled by its module path: keep it here, importable without tp.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import sys
@@ -120,10 +121,12 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     assert msg[0] == "caches", msg[0]
     t2 = now()
     extra["waiting for rank 0's cache sizes"] = t2 - t
-    cm = CacheManager(model.cache_spec(), device=device, **msg[1])
+    spec = dataclasses.replace(model.cache_spec(), state_dtype=getattr(torch, msg[2]))  # rank 0's dtype
+    cm = CacheManager(spec, device=device, **msg[1])
     model.bind_caches(cm.caches)
     ph["caches"] = now() - t2
-    results.put((rank, "ready", {"asked": allreduce, "allreduce": summing}))
+    results.put((rank, "ready", {"asked": allreduce, "allreduce": summing,
+                                 "state_dtype": str(spec.state_dtype).replace("torch.", "")}))
     t_ready = now()
 
     unpack = StepInputBuilder(page_size=cm.page_size, device=device, has_attention=cm.has_attention,
