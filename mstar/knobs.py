@@ -144,7 +144,9 @@ KNOBS: tuple[Knob, ...] = (
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
          "bfloat16, which halves the bytes a decode step reads and writes per row (at 4B and batch 128 about "
          "13 GB a step in float32) and the memory per sequence. Every kernel still computes in float32 and "
-         "rounds the state when it stores it. Not yet measured on a GPU.",
+         "rounds the state when it stores it. The correctness gate on CPU (the trained gate model, float32 "
+         "weights, 64 prompts x 32 tokens, batch 1 / 8 / 32; commit 679f196) passes with it: every output equals "
+         "HF's, largest logprob difference 4.8e-4 against 7e-6 with float32 state. Speed not yet measured on a GPU.",
          choices=("float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
