@@ -166,6 +166,15 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     # chunked form: per token about 4*Dk*Dv (state in/out products) + 2*64*(Dk+Dv) (intra-chunk)
                     bytes=t * s.gdn_v_heads * (2 * s.gdn_k_dim + 2 * s.gdn_v_dim) * es + 2 * state_bytes,
                     flops=t * s.gdn_v_heads * (4 * s.gdn_k_dim * s.gdn_v_dim + 128 * (s.gdn_k_dim + s.gdn_v_dim))))
+                # the same rows from the conv output: split, norms and gates inside the op (fused or composed)
+                cases.append(Case("gdn_prefill_fused", lab, lambda t=t, s=s, c=c, cu=cu: (
+                    rnd(t, c), rnd(t, s.gdn_v_heads), rnd(t, s.gdn_v_heads),
+                    torch.rand(s.gdn_v_heads, device=dev).mul(15).add(0.01).log().to(dtype), rnd(s.gdn_v_heads),
+                    torch.zeros(1, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim, device=dev), cu,
+                    torch.zeros(1, dtype=torch.int64, device=dev), torch.empty(0, dtype=torch.int64, device=dev),
+                    torch.empty(0, dtype=torch.int64, device=dev), s.gdn_k_heads, s.gdn_k_dim ** -0.5, 1e-6),
+                    bytes=t * (c + 2 * s.gdn_v_heads + s.gdn_v_heads * s.gdn_v_dim) * es + 2 * state_bytes,
+                    flops=t * s.gdn_v_heads * (4 * s.gdn_k_dim * s.gdn_v_dim + 128 * (s.gdn_k_dim + s.gdn_v_dim))))
                 ctx = t
                 cases.append(Case("paged_attention_prefill", lab, lambda t=t, s=s: (
                     rnd(t, s.q_heads, s.head_dim), *_pp(t, s, dtype, dev), s.head_dim ** -0.5),
