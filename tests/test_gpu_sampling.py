@@ -12,6 +12,7 @@ import torch
 from mstar import knobs, ops
 from mstar.ops import sampling
 from mstar.ops.sampling import uniform_noise
+from mstar.runtime.cuda_graphs import capture_after_first_use
 from test_ops_sampling import _assert_same, _exact_tie, _pick
 
 pytestmark = pytest.mark.gpu
@@ -140,14 +141,7 @@ def test_planned_path_captures_in_a_cuda_graph():
         def fn(logits=logits, params=params, plan=plan):
             return sampling.sample_planned(logits, *params, 0, plan)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        graph, out = capture_after_first_use(fn, torch.cuda.Stream(), on_stream=False)
         graph.replay()
         torch.cuda.synchronize()
         want = ops.sample.backends["reference"].fn(logits, *params, 0)

@@ -46,6 +46,21 @@ from mstar.runtime.step_inputs import StepRows, decode_arrays
 log = logging.getLogger("mstar.runtime")
 
 
+def capture_after_first_use(fn, stream: torch.cuda.Stream, pool=None, on_stream: bool = True):
+    """(graph, fn's output in the graph): fn runs once on `stream` first (compiles, autotuning,
+    library handles: never inside a capture), then is captured into a new graph, on the same
+    stream (on_stream) or on torch.cuda.graph's own capture stream, in `pool` when given."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn()
+    current.wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream if on_stream else None):
+        out = fn()
+    return g, out
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
@@ -176,15 +191,7 @@ class DecodeGraphRunner:
         stream = self.stream = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self._stage_padding(b)
-            # first use compiles / autotunes kernels: never inside a capture
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._forward_at(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream):
-                self.outputs[b] = self._forward_at(b)
-            self.graphs[b] = g
+            self.graphs[b], self.outputs[b] = capture_after_first_use(lambda b=b: self._forward_at(b), stream, pool)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         self.graph_memory_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])

@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from mstar.runtime.cuda_graphs import capture_after_first_use
+
 log = logging.getLogger("mstar.runtime")
 
 _SMALL = (16, 32, 64, 128, 256, 512)
@@ -131,13 +133,7 @@ class PrefillGraphRunner:
             for n in reversed(self.sizes):  # largest first: the pool's blocks fit the smaller ones
                 graphs = []
                 for k in range(len(self.layers) + 1):
-                    stream.wait_stream(torch.cuda.current_stream(dev))
-                    with torch.cuda.stream(stream):  # first use (cuBLAS handles, Triton builds) off the capture
-                        self._segment(k, n)
-                    torch.cuda.current_stream(dev).wait_stream(stream)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        self._segment(k, n)
+                    g, _ = capture_after_first_use(lambda k=k, n=n: self._segment(k, n), stream, pool)
                     pool = g.pool() if pool is None else pool
                     graphs.append(g)
                 self.graphs[n] = graphs

@@ -68,6 +68,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 
 from mstar.runtime.config import EngineConfig
+from mstar.runtime.cuda_graphs import capture_after_first_use
 from mstar.runtime.engine_core import EngineCore
 from mstar.runtime.prefill_graphs import PrefillGraphRunner, prefill_sizes
 
@@ -101,17 +102,9 @@ def limits(rt) -> dict[str, int]:
 
 
 def _capture(fn, keep: list, same_stream: bool = False, pool=None) -> None:
-    """First use on a side stream, then capture fn into a graph kept alive in `keep` (on that
+    """First use on a new side stream, then capture fn into a graph kept alive in `keep` (on that
     stream with same_stream, else on torch.cuda.graph's default capture stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=side if same_stream else None):
-        fn()
-    keep.append(g)
+    keep.append(capture_after_first_use(fn, torch.cuda.Stream(), pool, on_stream=same_stream)[0])
     torch.cuda.synchronize()
 
 

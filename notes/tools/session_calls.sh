@@ -187,13 +187,15 @@ grep -h '^==\|^   [a-zA-Z]\|passed\|failed\|tok/s\|num_steps\|Error' \$OUT/gpu0.
 cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
   s9a)  # session 9, call 1 (two H200s, ~9 min): the tp=2 tests in one process (the stale-knob hang fixed),
+    # the decode and prefill graph tests (their captures now share capture_after_first_use, unrun on a GPU),
     # the fused GDN prefill's GPU check and timing (16 rows per prep program); 4B at c128, each on a fresh server:
     # the default, --admit-max-wait 4, and the bfloat16 recurrent state (MSTAR_GDN_STATE_DTYPE, also at c64)
     export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     pr="python3 notes/tools/profile_step.py --rows 8 --decode-steps 4 --top 12"
     new="MSTAR_BACKENDS=gdn_prefill_fused=fla"
     run "tests:300:timeout 290 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py \
-tests/test_tp_allreduce.py tests/test_prefill_graphs.py tests/test_gpu_backends.py -k 'tp2 or gdn'" \
+tests/test_tp_allreduce.py tests/test_prefill_graphs.py tests/test_gpu_backends.py tests/test_decode_graphs.py \
+-k 'tp2 or gdn or (matches_eager and off) or match_the_forward'" \
         "par:270:(export CUDA_VISIBLE_DEVICES=0; timeout 60 $pr --model qwen3.5-4b; $new timeout 60 $pr --model qwen3.5-4b; \
 SERVER_ARGS='--admit-max-wait 4' $(serve qwen3.5-4b 8004 128)) > \$OUT/gpu0.log 2>&1 & \
 (export CUDA_VISIBLE_DEVICES=1; $(serve qwen3.5-4b 8014 128); MSTAR_GDN_STATE_DTYPE=bfloat16 $(serve qwen3.5-4b 8024 64 128)) \
