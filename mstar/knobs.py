@@ -143,7 +143,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
          "bfloat16, which halves the bytes a decode step reads and writes per row (at 4B and batch 128 about "
-         "13 GB a step in float32) and the memory per sequence. Every kernel still computes in float32 and "
+         "13 GB a step in float32, by arithmetic) and the memory per sequence. Every kernel still computes in float32 and "
          "rounds the state when it stores it. The correctness gate on CPU (the trained gate model, float32 "
          "weights, 64 prompts x 32 tokens, batch 1 / 8 / 32; commit 679f196) passes with it: every output equals "
          "HF's, largest logprob difference 4.8e-4 against 7e-6 with float32 state. Speed not yet measured on a GPU.",
