@@ -213,6 +213,12 @@ MSTAR_IDLE_GATHER_US=8000 $(serve qwen3.5-0.8b 8011 8)) > \$OUT/gpu0.log 2>&1 & 
 --model qwen3.5-0.8b --random-weights --concurrency \$c --num-prompts \$c --results-dir \$OUT; done) > \$OUT/gpu1.log 2>&1 & \
 wait; grep -h 'tok/s\|num_steps' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220"
     ;;
+  s9x4)  # session 9 (four H200s, ~9 min): issue 11, the 27B preset served at TP4 (NCCL all-reduce), c8-c128;
+    # a stack dump into the server log at 500 s if it is still running
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "serve27b:560:(sleep 500; pkill -USR1 -f 'spawn_mai[n]') >/dev/null 2>&1 & TP=4 $(serve qwen3.5-27b 8027 8 32 64 128); \
+cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
