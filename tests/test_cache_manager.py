@@ -557,3 +557,28 @@ def test_stress_cuda(spec):
     """The same bookkeeping on CUDA tensors: pinned, asynchronous offload copies included."""
     counts, _ = _stress(spec, 11, n_ops=800, num_pages=24, num_slots=5, snaps=4, prefix=True, device="cuda")
     assert counts["offload"] > 0 and counts["reload"] > 0
+
+
+UNIFORM_STATE_SPEC = CacheSpec(state=(StateLayerSpec(conv_dim=6, conv_kernel=4, num_heads=2, key_dim=3, value_dim=3),) * 3)
+
+
+@pytest.mark.parametrize("spec", [UNIFORM_STATE_SPEC, STATE_ONLY_SPEC], ids=["stacked", "per-layer"])
+def test_state_zero_and_copy_touch_one_slot_in_every_layer(spec):
+    """Layers of one shape share a [layers, rows, ...] stack (one kernel zeroes or copies a slot
+    everywhere); mixed shapes keep a tensor per layer. Either way only the slot's rows change."""
+    cm = make(spec, num_slots=4, snaps=2)
+    c = cm.caches
+    assert bool(c.state_stacks) == (spec is UNIFORM_STATE_SPEC)
+    for stack, per_layer in zip(c.state_stacks, (c.conv_states, c.recurrent_states)):
+        assert all(t.data_ptr() == stack[i].data_ptr() and t.is_contiguous() for i, t in enumerate(per_layer))
+    g = torch.Generator().manual_seed(7)
+    for t in (*c.conv_states, *c.recurrent_states):
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = [t.clone() for t in (*c.conv_states, *c.recurrent_states)]
+    cm._zero_state(2)
+    cm._copy_state(1, 4)
+    for t, b in zip((*c.conv_states, *c.recurrent_states), before):
+        want = b.clone()
+        want[2] = 0
+        want[4] = b[1]
+        assert torch.equal(t, want)

@@ -132,6 +132,10 @@ class ModelCaches:
     v_caches: list[torch.Tensor] = field(default_factory=list)
     conv_states: list[torch.Tensor] = field(default_factory=list)  # per GDN layer
     recurrent_states: list[torch.Tensor] = field(default_factory=list)
+    # when every GDN layer's state has one shape: [layers, rows, ...] tensors whose [i] are the
+    # per-layer tensors above, so that a slot's rows in all layers are one strided view
+    # (the runtime zeroes or copies a slot with one kernel per stack instead of one per layer)
+    state_stacks: list[torch.Tensor] = field(default_factory=list)
     # per cross-attention layer: [num_cross_slots, max_source_len, Hkv, D] (CacheSpec.cross)
     cross_k_caches: list[torch.Tensor] = field(default_factory=list)
     cross_v_caches: list[torch.Tensor] = field(default_factory=list)

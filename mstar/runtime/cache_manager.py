@@ -166,10 +166,18 @@ class CacheManager:
             c.k_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
             c.v_caches.append(torch.zeros(shape, dtype=dtype, device=self.device))
         rows = num_slots + num_snapshot_slots + (extra if self.has_state else 0)
-        for s in spec.state:
-            c.conv_states.append(torch.zeros((rows, s.conv_dim, s.conv_kernel - 1), dtype=dtype, device=self.device))
-            c.recurrent_states.append(torch.zeros((rows, s.num_heads, s.key_dim, s.value_dim),
-                                                  dtype=spec.state_dtype, device=self.device))
+        conv_shapes = [(rows, s.conv_dim, s.conv_kernel - 1) for s in spec.state]
+        rec_shapes = [(rows, s.num_heads, s.key_dim, s.value_dim) for s in spec.state]
+        if spec.state and len(set(conv_shapes)) == 1 and len(set(rec_shapes)) == 1:
+            # one tensor per kind, layers first: admission zeroes a slot in every layer at once
+            n = len(spec.state)
+            conv = torch.zeros((n, *conv_shapes[0]), dtype=dtype, device=self.device)
+            rec = torch.zeros((n, *rec_shapes[0]), dtype=spec.state_dtype, device=self.device)
+            c.state_stacks = [conv, rec]
+            c.conv_states, c.recurrent_states = list(conv.unbind(0)), list(rec.unbind(0))
+        else:
+            c.conv_states = [torch.zeros(sh, dtype=dtype, device=self.device) for sh in conv_shapes]
+            c.recurrent_states = [torch.zeros(sh, dtype=spec.state_dtype, device=self.device) for sh in rec_shapes]
         self.pad_cross = self.num_cross_slots if padding and self.has_cross else None
         if self.has_cross:
             for a in spec.cross.layers:
@@ -233,9 +241,16 @@ class CacheManager:
         for cache in (*self.caches.k_caches, *self.caches.v_caches):
             cache.index_copy_(0, d, cache.index_select(0, s))
 
+    def _state_rows(self, slot: int) -> list[torch.Tensor]:
+        """Views of a slot's state in every GDN layer: one per stack when the layers share a shape."""
+        c = self.caches
+        if c.state_stacks:
+            return [stack[:, slot] for stack in c.state_stacks]
+        return [cache[slot] for cache in (*c.conv_states, *c.recurrent_states)]
+
     def _copy_state(self, src: int, dst: int) -> None:
-        for cache in (*self.caches.conv_states, *self.caches.recurrent_states):
-            cache[dst].copy_(cache[src])
+        for d, s in zip(self._state_rows(dst), self._state_rows(src)):
+            d.copy_(s)
 
     # host copies: methods so that a tensor-parallel engine can mirror them on every rank
     def _to_host(self, pages: list[int], slot: int | None) -> HostCopy:
@@ -245,8 +260,8 @@ class CacheManager:
         to_device(host, self.caches, dst, rows, slot)
 
     def _zero_state(self, slot: int) -> None:
-        for cache in (*self.caches.conv_states, *self.caches.recurrent_states):
-            cache[slot].zero_()
+        for rows in self._state_rows(slot):
+            rows.zero_()
 
     def _take_snapshot_slot(self) -> int | None:
         s = self._snap_slots.allocate()

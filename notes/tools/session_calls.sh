@@ -202,16 +202,19 @@ SERVER_ARGS='--admit-max-wait 4' $(serve qwen3.5-4b 8004 128)) > \$OUT/gpu0.log 
 > \$OUT/gpu1.log 2>&1 & wait; grep -h '^==\|tok/s\|num_steps' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
 cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
-  s9b)  # session 9, call 2 (two H200s, ~9 min): 9B TP2 served with the idle gather; HF transformers at c8 / c32
-    # beside a 0.8B server (issue 7 asks for HF in the same run), then 0.8B c8 with an 8 ms gather (3 ms merged
-    # nothing there in session 8: its waves' arrivals may spread wider)
+  s9b)  # session 9, call 3 (two H200s, ~9.5 min): 9B TP2 served with the idle gather (state slots now zeroed
+    # with one kernel per stack), then with the bfloat16 recurrent state at c64 / c128; HF transformers at c8 / c32
+    # beside a 0.8B server (issue 7 asks for HF in the same run), then 0.8B c8 with an 8 ms gather
     export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    run "serve9b:180:MSTAR_IDLE_GATHER_US=3000 MSTAR_TP_ALLREDUCE=symm_mem TP=2 $(serve qwen3.5-9b 8009 8 32 64 128)" \
-        "hf:300:(export CUDA_VISIBLE_DEVICES=0; $(serve qwen3.5-0.8b 8001 8 32 64 128); \
+    tp9="MSTAR_IDLE_GATHER_US=3000 MSTAR_TP_ALLREDUCE=symm_mem TP=2"
+    run "serve9b:200:$tp9 $(serve qwen3.5-9b 8009 8 32 64 128)" \
+        "bf16:150:$tp9 MSTAR_GDN_STATE_DTYPE=bfloat16 $(serve qwen3.5-9b 8019 64 128)" \
+        "hf:290:(export CUDA_VISIBLE_DEVICES=0; $(serve qwen3.5-0.8b 8001 1:16 8 32 64 128); \
 MSTAR_IDLE_GATHER_US=8000 $(serve qwen3.5-0.8b 8011 8)) > \$OUT/gpu0.log 2>&1 & \
 (export CUDA_VISIBLE_DEVICES=1; for c in 8 32; do timeout 120 python3 -m mstar.bench.serve --backend hf \
 --model qwen3.5-0.8b --random-weights --concurrency \$c --num-prompts \$c --results-dir \$OUT; done) > \$OUT/gpu1.log 2>&1 & \
-wait; grep -h 'tok/s\|num_steps' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220"
+wait; grep -h 'tok/s\|num_steps\|rror' \$OUT/gpu0.log \$OUT/gpu1.log | cut -c1-220; \
+cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:' server-*.log | cut -c1-400; tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
   s9x4)  # session 9 (four H200s, ~9 min): issue 11, the 27B preset served at TP4 (NCCL all-reduce), c8-c128;
     # a stack dump into the server log at 500 s if it is still running
