@@ -138,15 +138,21 @@ KNOBS: tuple[Knob, ...] = (
          "prefilled in one step rather than its first request alone. 0: step at once. Measured (H200, served, one "
          "instance each, notes/gpu-2026-11-30-s8.md): 4B c8 2066 tok/s against 1975 (one prefill step per wave "
          "instead of two, TTFT p50 73 against 105 ms), c32 5909 against 5867; 0.8B c8 4204 against 4557 and c32 "
-         "13851 against 14519 (its waves still took two steps: 17 prefill steps for 72 requests). Mixed, so the "
-         "default stays 0.", minimum=0),
+         "13851 against 14519 (its waves still took two steps: 17 prefill steps for 72 requests). Session 9 "
+         "(notes/gpu-2026-11-30-s9.md): 0.8B c8 with 8000: 5010 and 5103 (two instances) against 4787, one prefill "
+         "step per wave (9 for 72 requests); 9B TP2 c8 with 3000: 1769 against 1577 in session 8, TTFT p50 85 "
+         "against 209 ms. The default stays 0: an idle engine holds a lone request (c1) for the whole window.",
+         minimum=0),
     Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
          "bfloat16, which halves the bytes a decode step reads and writes per row (at 4B and batch 128 about "
          "13 GB a step in float32, by arithmetic) and the memory per sequence. Every kernel still computes in float32 and "
          "rounds the state when it stores it. The correctness gate on CPU (the trained gate model, float32 "
          "weights, 64 prompts x 32 tokens, batch 1 / 8 / 32; commit 679f196) passes with it: every output equals "
-         "HF's, largest logprob difference 4.8e-4 against 7e-6 with float32 state. Speed not yet measured on a GPU.",
+         "HF's, largest logprob difference 4.8e-4 against 7e-6 with float32 state. Served on H200 (one instance "
+         "each, notes/gpu-2026-11-30-s9.md): 4B c64 / c128 9006 / 11425 tok/s against 8711 (session 8) / 11139; "
+         "9B TP2 c64 / c128 8963 / 13882 against 9211 / 13260. The gate has not run on a GPU with it, so the "
+         "default stays float32.",
          choices=("float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
