@@ -13,6 +13,7 @@ import sys
 import torch
 
 from mstar.models.memory_plan import human_bytes as _human
+from mstar.models.context import dtype_name
 
 
 def _layer_pattern(config) -> str:
@@ -43,7 +44,7 @@ def info(name_or_dir: str, show_config: bool = True) -> str:
         f"tied embeddings: {model.tie_word_embeddings}; vocab {config.vocab_size}; hidden {config.hidden_size}",
         f"KV cache per token (bf16): {_human(spec.kv_bytes_per_token(torch.bfloat16))} "
         f"over {len(spec.attention)} attention layers",
-        f"state per sequence ({'fp32' if spec.state_dtype == torch.float32 else 'bf16'} recurrent state, "
+        f"state per sequence ({'fp32' if spec.state_dtype == torch.float32 else dtype_name(spec.state_dtype)} recurrent state, "
         f"bf16 conv state): "
         f"{_human(spec.state_bytes_per_sequence(torch.bfloat16))} over {len(spec.state)} Gated DeltaNet layers",
         f"eos token ids: {list(model.eos_token_ids)}",

@@ -19,7 +19,7 @@ row's queries are the last `qo_len` positions of its kv sequence (causal).
 
 Recurrent state (per Gated DeltaNet layer): conv state pool [num_slots, conv_dim, K-1]
 (the last K-1 inputs, oldest first) and recurrent state pool [num_slots, Hv, Dk, Dv]
-(fp32). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
+(fp32 unless MSTAR_GDN_STATE_DTYPE says bfloat16). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
 slots (for the prefix cache) come from the same pools.
 
 Cross-attention K/V (encoder-decoder models, Whisper): per cross-attention layer, pools
@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: how dtypes travel between ranks and appear in logs and knobs."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

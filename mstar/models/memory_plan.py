@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.models import parallel
+from mstar.models.context import dtype_name
 
 CACHE_FRACTION = 0.85  # of free device memory given to caches; the engine uses this value
 GIB = 1 << 30
@@ -105,7 +106,7 @@ def rank_memory(config, rank: int, size: int, dtype: torch.dtype = torch.bfloat1
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype),
         state_bytes_per_sequence=spec.state_bytes_per_sequence(dtype),
         num_attention_layers=len(spec.attention), num_state_layers=len(spec.state),
-        replicated_names=tuple(names), state_dtype=str(spec.state_dtype).replace("torch.", ""))
+        replicated_names=tuple(names), state_dtype=dtype_name(spec.state_dtype))
 
 
 # --- cache sizing (runtime.config.size_caches, CUDA, num_pages from memory) -------------------------

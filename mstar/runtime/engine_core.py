@@ -39,6 +39,7 @@ import torch
 
 from mstar import knobs
 from mstar.ops.cache import jit_watch
+from mstar.models.context import dtype_name
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.config import EngineConfig, size_caches
 from mstar.runtime.encoder import CrossEncoder, TokenMasks, whisper_suppress_defaults
@@ -194,7 +195,7 @@ class EngineCore:
             log.info("start-up built %d Triton kernel variants (%.1f s of compiles and cache loads)",
                      jit1["built"] - jit0["built"], jit1["seconds"] - jit0["seconds"])
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
-                 config.model, self.device, str(self.dtype).replace("torch.", ""), sizes.num_pages,
+                 config.model, self.device, dtype_name(self.dtype), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
         log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, graphs %.1f s, "
                  "warm-up %.1f s", time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded,

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from mstar import knobs
+from mstar.models.context import dtype_name
 from mstar.runtime import tp_allreduce
 from mstar.runtime.step_inputs import StepInputBuilder
 from mstar.runtime.tp_follower import follower_main
@@ -228,7 +229,7 @@ class TensorParallel:
     def cache_manager(self, *a, **kw) -> MirroredCacheManager:
         """Rank 0's caches; the followers are told the sizes first and allocate theirs meanwhile."""
         self._cache_kw = {k: v for k, v in kw.items() if k != "device"}
-        self._state_dtype = str(a[0].state_dtype).replace("torch.", "")
+        self._state_dtype = dtype_name(a[0].state_dtype)
         try:  # with rank 0's state dtype (MSTAR_GDN_STATE_DTYPE): a follower's own knob could differ
             self._send(("caches", self._cache_kw, self._state_dtype))
         except (BrokenPipeError, EOFError, OSError):

@@ -20,6 +20,7 @@ import torch
 
 from mstar import knobs
 from mstar.models import parallel
+from mstar.models.context import dtype_name
 
 log = logging.getLogger("mstar.runtime.tp")
 
@@ -70,7 +71,7 @@ def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> 
         return "nccl"
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         log.warning("MSTAR_TP_ALLREDUCE=symm_mem has no effect on %s / %s (CUDA, bf16 or fp16 only)",
-                    device.type, str(dtype).replace("torch.", ""))
+                    device.type, dtype_name(dtype))
         return "nccl"
     parallel.install_all_reduce(SymmMemAllReduce(device, dtype))
     log.info("tp all-reduce: one-shot on symmetric memory up to %d MiB, NCCL above", MAX_BYTES >> 20)

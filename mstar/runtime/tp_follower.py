@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mstar.models.context import dtype_name
 from mstar.runtime import tp_allreduce
 from mstar.runtime.cache_manager import CacheManager
 from mstar.runtime.step_inputs import StepInputBuilder
@@ -126,7 +127,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     model.bind_caches(cm.caches)
     ph["caches"] = now() - t2
     results.put((rank, "ready", {"asked": allreduce, "allreduce": summing,
-                                 "state_dtype": str(spec.state_dtype).replace("torch.", "")}))
+                                 "state_dtype": dtype_name(spec.state_dtype)}))
     t_ready = now()
 
     unpack = StepInputBuilder(page_size=cm.page_size, device=device, has_attention=cm.has_attention,
