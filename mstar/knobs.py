@@ -160,8 +160,10 @@ KNOBS: tuple[Knob, ...] = (
          "NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above. CUDA only: "
          "elsewhere it has no effect (with a warning). Measured (2 x H200, offline 9B TP2, prefill graphs on, "
          "c8/c32/c64/c128, notes/gpu-2026-11-30-s7.md): 1782 / 5722 / 9203 / 12808 tok/s against NCCL's "
-         "1761 / 5688 / 9127 / 12529: +1-2%, near the noise, so the default stays nccl.",
-         choices=("nccl", "symm_mem")),
+         "1761 / 5688 / 9127 / 12529: +1-2%, near the noise, so the default stays nccl. symm_mem_norm = "
+         "symm_mem, and each sum that a residual add + RMSNorm follows (all of them in Qwen3.5 / Qwen3) is one "
+         "Triton kernel that sums over the peers' buffers, adds and norms (three kernels apart).",
+         choices=("nccl", "symm_mem", "symm_mem_norm")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

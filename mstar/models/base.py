@@ -133,6 +133,24 @@ class DecoderLM(nn.Module):
             else:
                 m.state_index = state_i
                 state_i += 1
+        if self.tp_size > 1:
+            self._defer_reduces()
+
+    def _defer_reduces(self) -> None:
+        """At tp > 1 each row-parallel output (the mixer's output projection, the MLP's down
+        projection) leaves its all-reduce to the RMSNorm that adds it to the residual: the next
+        sub-layer's pre-norm, or the final norm. Unfused, the same sum runs in the same place in
+        the stream; fused (parallel.install_fused_reduce_norm), one kernel does sum, add and norm.
+        Layer 0's input norm takes the embedding, which is summed by the embedding itself. A
+        projection with a bias keeps its own sum (the bias comes after it)."""
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            for site, proj, norm in ((2 * i, layer.mixer.output_projection(), layer.post_attention_layernorm),
+                                     (2 * i + 1, layer.mlp.down_proj, nxt)):
+                if proj.bias is None:
+                    proj.defer_reduce()
+                    norm.reduce_input(site, self.tp_group)
 
     # --- properties -------------------------------------------------------------------------
     @property

@@ -189,13 +189,23 @@ class RowParallelLinear(Linear):
         start, local = parallel.block(in_features, rank, size, "the input features of a row-parallel linear")
         super().__init__(local, out_features, bias)
         self.tp_size, self.tp_group = size, parallel.get_tp().group
+        self.deferred = False  # defer_reduce()
         if size > 1:
             set_shard(self, "weight", (out_features, in_features), ((start, 0, local),), dim=1)
+
+    def defer_reduce(self) -> None:
+        """Return the rank's partial sum: the consumer (an RMSNorm with reduces_input) sums it."""
+        if self.bias is not None:
+            raise ValueError("a row-parallel linear with a bias cannot leave its sum to the next norm")
+        self.deferred = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = parallel.all_reduce(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.deferred:
+            return y
+        y = parallel.all_reduce(y, self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -263,12 +273,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = float(eps)
         self.zero_centered = bool(zero_centered)
+        self.reduce_site: int | None = None  # reduce_input()
+
+    def reduce_input(self, site: int, group=None) -> None:
+        """At tp > 1: add_forward's x is a row-parallel partial sum (the producer deferred its
+        all-reduce), summed here, fused with the add and the norm when the runtime installed a
+        kernel for it. site: the sum's position in the forward."""
+        self.reduce_site, self.reduce_group = site, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); residual None: (norm(x), x)."""
+        if self.reduce_site is not None:
+            fused = parallel.fused_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered,
+                                                       self.reduce_site, self.reduce_group)
+            if fused is not None:
+                return fused
+            x = parallel.all_reduce(x, self.reduce_group)
         if residual is None:
             return self.forward(x), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
@@ -415,6 +438,9 @@ class QKNormAttention(nn.Module):
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o)
+
+    def output_projection(self) -> RowParallelLinear:
+        return self.o_proj
 
     def core_width(self) -> int:
         """Features per token of core's output (what post reads)."""

@@ -96,6 +96,28 @@ def install_all_reduce(fn: Any) -> None:
     _FAST_ALL_REDUCE[0] = fn
 
 
+# Set by the runtime (tp_allreduce.py) when the all-reduce can be fused with the residual add +
+# RMSNorm that follows every row-parallel output: fn(x, residual, weight, eps, zero_centered, site)
+# -> (normed, new residual), or None for a tensor it does not take.
+_FUSED_REDUCE_NORM: list = [None]
+
+
+def install_fused_reduce_norm(fn: Any) -> None:
+    """Install (or, with None, remove) the default group's fused all-reduce + add + RMSNorm."""
+    _FUSED_REDUCE_NORM[0] = fn
+
+
+def fused_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              zero_centered: bool, site: int, group: Any = None):
+    """(rms_norm(sum_ranks(x) + residual), sum_ranks(x) + residual) in one kernel, or None (nothing
+    done: the caller all-reduces and norms). site: the position of this sum in the forward (the
+    fused kernel alternates buffers between consecutive sites)."""
+    fused = _FUSED_REDUCE_NORM[0]
+    if fused is None or group is not None:
+        return None
+    return fused(x, residual, weight, eps, zero_centered, site)
+
+
 def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum over the group's ranks, in place; returns x."""
     fast = _FAST_ALL_REDUCE[0]

@@ -117,6 +117,9 @@ class GatedDeltaNet(nn.Module):
     def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.out_proj(o)
 
+    def output_projection(self) -> RowParallelLinear:
+        return self.out_proj
+
     def core_width(self) -> int:
         """Features per token of core's output (what post reads)."""
         return self.value_dim

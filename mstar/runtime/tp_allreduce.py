@@ -8,6 +8,11 @@ bits). One launch and one peer read per element: for the small tensors of a deco
 this is the latency NCCL's ring cannot reach. Multicast (multimem) is never used: the GPU
 hosts keep TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
+"symm_mem_norm" is symm_mem plus, for the row-parallel outputs that a residual add + RMSNorm
+follows (every one in Qwen3.5 / Qwen3: the model defers those sums to its norms), one Triton kernel
+that sums, adds and norms (ops/backends/triton_allreduce_norm.py): one launch where symm_mem takes
+three (copy in, all-reduce, norm), for tensors up to MAX_BYTES; larger ones go the plain way.
+
 Every rank must call `setup` at the same point (the rendezvous is collective), after
 init_process_group and before the first forward, so that the graphs capture it.
 """
@@ -61,22 +66,71 @@ class SymmMemAllReduce:
         return True
 
 
+FLAG_ROWS = 4096  # rows per call the fused kernel's flags have room for (a decode step has one per sequence)
+
+
+class SymmMemReduceNorm:
+    """The fused all-reduce + residual add + RMSNorm on the default group: two shared buffers
+    (consecutive sites of a forward alternate, so no closing barrier is needed) and a flag per
+    row and rank. Takes 2-D tensors of the model's dtype of at most MAX_BYTES; the decision
+    depends only on shapes and dtypes, so every rank decides alike."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm
+
+        group_name = dist.group.WORLD.group_name
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dtype, self.capacity = dtype, MAX_BYTES // dtype.itemsize
+        self.bufs = symm.empty(2 * self.capacity, dtype=dtype, device=device)
+        self.flags = symm.empty(FLAG_ROWS * self.world, dtype=torch.int32, device=device)
+        self.flags.zero_()
+        hb = symm.rendezvous(self.bufs, group_name)
+        hf = symm.rendezvous(self.flags, group_name)
+        # each rank's copy at the same offset of its allocation
+        b_off, f_off = self.bufs.data_ptr() - hb.buffer_ptrs[self.rank], self.flags.data_ptr() - hf.buffer_ptrs[self.rank]
+        half = self.capacity * dtype.itemsize
+        self.buf_addrs = torch.tensor([[hb.buffer_ptrs[r] + b_off + p * half for r in range(self.world)]
+                                       for p in range(2)], dtype=torch.int64, device=device)
+        self.flag_addrs = torch.tensor([hf.buffer_ptrs[r] + f_off for r in range(self.world)], dtype=torch.int64,
+                                       device=device)
+        # every rank's flags are zero before any rank can signal
+        torch.cuda.synchronize(device)
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
+        from mstar.ops.backends.triton_allreduce_norm import reduce_add_rms_norm
+        self.kernel = reduce_add_rms_norm
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 zero_centered: bool, site: int):
+        if (residual is None or x.dtype != self.dtype or x.dim() != 2 or residual.shape != x.shape
+                or x.stride(-1) != 1 or residual.stride(-1) != 1 or x.numel() > self.capacity
+                or x.shape[0] > FLAG_ROWS):
+            return None
+        return self.kernel(x, residual, weight, eps, zero_centered, self.buf_addrs[site % 2], self.flag_addrs,
+                           self.rank, self.world)
+
+
 def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> str:
     """Install the all-reduce `want` names (default: the knob's) on this rank; returns what is
     in use. Every rank must pass the same `want` (rank 0 sends its own to the followers)."""
     if want is None:
         want = knobs.value("MSTAR_TP_ALLREDUCE")
-    parallel.install_all_reduce(None)
+    teardown()
     if want == "nccl":
         return "nccl"
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        log.warning("MSTAR_TP_ALLREDUCE=symm_mem has no effect on %s / %s (CUDA, bf16 or fp16 only)",
+        log.warning("MSTAR_TP_ALLREDUCE=%s has no effect on %s / %s (CUDA, bf16 or fp16 only)", want,
                     device.type, dtype_name(dtype))
         return "nccl"
     parallel.install_all_reduce(SymmMemAllReduce(device, dtype))
-    log.info("tp all-reduce: one-shot on symmetric memory up to %d MiB, NCCL above", MAX_BYTES >> 20)
-    return "symm_mem"
+    if want == "symm_mem_norm":
+        parallel.install_fused_reduce_norm(SymmMemReduceNorm(device, dtype))
+    log.info("tp all-reduce: one-shot on symmetric memory up to %d MiB, NCCL above%s", MAX_BYTES >> 20,
+             "; fused with the residual add + RMSNorm" if want == "symm_mem_norm" else "")
+    return want
 
 
 def teardown() -> None:
     parallel.install_all_reduce(None)
+    parallel.install_fused_reduce_norm(None)

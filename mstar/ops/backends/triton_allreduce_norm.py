@@ -1,0 +1,91 @@
+"""All-reduce + residual add + RMSNorm in one Triton kernel, over buffers every rank can address
+(PyTorch's symmetric memory, set up by mstar/runtime/tp_allreduce.py).
+
+At tp > 1 every row-parallel output (GDN out_proj / attention o_proj, MLP down_proj) is summed over
+the ranks and then, always, added to the residual and normalised by the next RMSNorm. Done apart,
+a decode step pays three kernels per sum (copy into the shared buffer, the one-shot all-reduce, the
+fused add + norm), 64 times a step for a 32-layer model. This kernel does all three, one program per
+row:
+
+  1. copy the row of this rank's partial sum into this rank's shared buffer;
+  2. tell every peer the row is there (a flag in the peer's memory, 0 -> 1) and wait for each
+     peer's flag in ours (1 -> 0); the flag's program is the row's, so only the programs handling
+     the same row wait for each other;
+  3. sum the row over all ranks' buffers in rank order (float32; every rank gets the same bits),
+     round to the activation dtype (what the all-reduce would return), add the residual, round,
+     normalise: the same arithmetic as triton_norm's fused add + RMSNorm.
+
+A flag is set only when it is 0 (the sender spins), so a fast rank cannot overwrite a signal its
+peer has not consumed yet. There is no closing barrier: the caller alternates between two buffers
+(even / odd sites of the forward), and a rank reaches the site after next only after its peer has
+signalled the next one, which it does after finishing its reads of this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf_addrs_ptr, flag_addrs_ptr,
+                                n_cols, x_stride, res_stride, eps, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dt = x_ptr.dtype.element_ty
+    # 1. this rank's partial row into its shared buffer (rows packed at n_cols)
+    own = tl.multiple_of(tl.load(buf_addrs_ptr + RANK).to(tl.pointer_type(dt)), 16)  # buffers: 16-byte aligned
+    tl.store(own + row64 * n_cols + cols, tl.load(x_ptr + row64 * x_stride + cols, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's store is issued before the release below
+    # 2. signal each peer (flag [row, RANK] in its memory), then wait for theirs (flag [row, q] in ours)
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            peer_flags = tl.load(flag_addrs_ptr + q).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(peer_flags + row * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    own_flags = tl.load(flag_addrs_ptr + RANK).to(tl.pointer_type(tl.int32))
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            while tl.atomic_cas(own_flags + row * WORLD + q, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()
+    # 3. the sum in rank order, read past the caches (a peer wrote it), then add + norm
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        src = tl.multiple_of(tl.load(buf_addrs_ptr + q).to(tl.pointer_type(dt)), 16)
+        acc += tl.load(src + row64 * n_cols + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    s = acc.to(dt).to(tl.float32) + tl.load(res_ptr + row64 * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    s_r = s.to(dt)
+    tl.store(res_out_ptr + row64 * n_cols + cols, s_r, mask=mask)
+    s = s_r.to(tl.float32)
+    var = tl.sum(s * s, axis=0) / n_cols
+    y = s * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    else:  # the plain form rounds before the weight (as triton_norm)
+        y = y.to(dt).to(tl.float32)
+    tl.store(out_ptr + row64 * n_cols + cols, (y * w).to(dt), mask=mask)
+
+
+def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centered: bool, buf_addrs: torch.Tensor, flag_addrs: torch.Tensor, rank: int,
+                        world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(sum_ranks(x) + residual), sum_ranks(x) + residual) for x, residual [rows, hidden]
+    (row stride may exceed hidden; last dim contiguous). buf_addrs / flag_addrs: int64 device
+    tensors of every rank's buffer (room for rows x hidden of x's dtype) and flags (rows x world
+    int32, zero between calls) addresses. Every rank must call it with the same rows."""
+    n, h = x.shape
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out)
+    if n:
+        block = triton.next_power_of_2(h)
+        _reduce_add_rms_norm_kernel[(n,)](x, residual, weight, out, res_out, buf_addrs, flag_addrs, h, x.stride(0),
+                                          residual.stride(0), eps, RANK=rank, WORLD=world,
+                                          ZERO_CENTERED=zero_centered, BLOCK=block,
+                                          num_warps=min(max(block // 256, 1), 8))
+    return out, res_out
