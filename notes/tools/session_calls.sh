@@ -222,6 +222,15 @@ cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:' server-*.log | cut -c1-400; 
     run "serve27b:560:(sleep 500; pkill -USR1 -f 'spawn_mai[n]') >/dev/null 2>&1 & TP=4 $(serve qwen3.5-27b 8027 8 32 64 128); \
 cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
+  s10a)  # session 10, call 1 (two H200s, ~9 min): the fused all-reduce + add + RMSNorm (symm_mem_norm): its bits
+    # and time per site against the kernels it replaces, the tp=2 token test, then 9B TP2 served with it
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "ar:90:timeout 85 python3 notes/tools/allreduce_norm_bench.py --rows 8 32 128 256 && touch \$OUT/ar_ok" \
+        "tests:160:[ -f \$OUT/ar_ok ] && python3 -m pytest -m gpu -q -x tests/test_tp_allreduce.py -k symm" \
+        "serve9b:250:[ -f \$OUT/ar_ok ] && MSTAR_IDLE_GATHER_US=3000 MSTAR_TP_ALLREDUCE=symm_mem_norm TP=2 \
+$(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:' server-*.log | cut -c1-400; \
+tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
