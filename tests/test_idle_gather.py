@@ -59,3 +59,45 @@ def test_gather_window_is_bounded():
     cmds2 = []
     take_commands(q, cmds2, busy=True)
     assert cmds2 == ["b"]
+
+
+def test_waiting_only_engine_gathers_without_blocking_for_a_first():
+    """Busy with requests that wait for admission but nothing running (a closed-loop wave's first
+    request arrived while the last wave was still decoding): the window applies, with nothing to
+    block for first; an empty queue returns after the window, not after IDLE_POLL_S."""
+    q = queue.Queue()
+    t = _feed(q, ["b", "c"], 0.01)
+    cmds = []
+    t0 = time.monotonic()
+    take_commands(q, cmds, busy=True, gather_s=0.1, running=False)
+    assert cmds == ["b", "c"] and time.monotonic() - t0 < 1.0
+    t.join()
+    cmds = []
+    t0 = time.monotonic()
+    take_commands(q, cmds, busy=True, gather_s=0.02, running=False)
+    assert cmds == [] and time.monotonic() - t0 < 0.5
+    t = _feed(q, ["d", "e"], 0.05)  # running: only what is there
+    time.sleep(0.01)
+    cmds = []
+    take_commands(q, cmds, busy=True, gather_s=0.1, running=True)
+    assert cmds == ["d"]
+    t.join()
+
+
+def test_engine_running_state_for_the_gather():
+    """EngineCore.has_running: False with only waiting requests, True once one is admitted."""
+    from engine_helpers import model_dir
+
+    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.request import EngineRequest, SamplingParams
+    core = EngineCore(EngineConfig(model=model_dir("qwen3.5"), device="cpu", dtype="float32", max_num_seqs=4,
+                                   max_model_len=64))
+    assert not core.has_unfinished() and not core.has_running()
+    core.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+    assert core.has_unfinished() and not core.has_running()
+    core.step()
+    assert core.has_running()
+    while core.has_unfinished():
+        core.step()
+    assert not core.has_running()

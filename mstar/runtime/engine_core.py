@@ -397,6 +397,12 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._pending)
 
+    def has_running(self) -> bool:
+        """An admitted sequence, a step in flight or outputs to emit: the next step cannot wait
+        (engine_process.py gathers arrivals only when this is False)."""
+        ov = self.overlap
+        return bool(self.scheduler.running) or bool(self._pending) or (ov is not None and ov.inflight is not None)
+
     def num_unfinished(self) -> int:
         return len(self._seqs)
 

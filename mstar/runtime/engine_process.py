@@ -157,14 +157,16 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     stats_dirty = True
     n_messages = n_records = 0
     gather_s = knobs.value("MSTAR_IDLE_GATHER_US") / 1e6
+    has_running = getattr(engine, "has_running", engine.has_unfinished)
     while True:
         busy = engine.has_unfinished()
+        running = busy and has_running()
         cmds = []
         if pt is not None:
             t_drain = clock()
         if not busy and pt is not None:
             t_drain = 0  # blocks for requests: the timer marks that gap as waiting, not idle
-        take_commands(in_q, cmds, busy, gather_s)
+        take_commands(in_q, cmds, busy, gather_s, running)
         now = time.monotonic()
         if now - last_parent_check > IDLE_POLL_S:
             last_parent_check = now
@@ -243,13 +245,19 @@ def _close(engine: Any) -> None:
             logger.exception("engine close failed")
 
 
-def take_commands(in_q, cmds: list, busy: bool, gather_s: float = 0.0) -> None:
+def take_commands(in_q, cmds: list, busy: bool, gather_s: float = 0.0, running: bool | None = None) -> None:
     """Append the commands waiting in in_q to cmds. Busy: only those already there. Idle: block
-    for the first (up to IDLE_POLL_S), then, with gather_s > 0 (MSTAR_IDLE_GATHER_US), keep taking
-    arrivals until gather_s after it, so that a burst starts in one step."""
+    for the first (up to IDLE_POLL_S). Then, with gather_s > 0 (MSTAR_IDLE_GATHER_US), when nothing
+    runs (idle, or only requests waiting for admission: running False), keep taking arrivals until
+    gather_s later, so that a burst starts in one step. The second case is a closed-loop wave whose
+    first request came in while the previous wave's last rows were still decoding: without it that
+    request is prefilled alone and the wave stays split in two steps for good."""
+    if running is None:
+        running = busy
     try:
         if not busy:
             cmds.append(in_q.get(timeout=IDLE_POLL_S))
+        if not running:
             deadline = time.monotonic() + gather_s
             while gather_s > 0:
                 left = deadline - time.monotonic()

@@ -231,6 +231,15 @@ cd \$OUT && tar czf logs.tgz server-*.log && rm -f server-*.log"
 $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:' server-*.log | cut -c1-400; \
 tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
+  s10b)  # session 10, call 2 (two H200s, ~9.5 min): 9B TP2 served with symm_mem_norm after the step buffers' 16-byte
+    # alignment (no mid-run Triton variants) and the gather for waiting-only engines (6 ms); the tp=2 token test;
+    # the kernel cache comes back (PACK_CACHE=1: the fused kernel's and the 9B conv variants)
+    export PACK_CACHE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "serve9b:270:MSTAR_IDLE_GATHER_US=6000 MSTAR_TP_ALLREDUCE=symm_mem_norm TP=2 \
+$(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:\|built after' server-*.log \
+| cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log" \
+        "tests:230:python3 -m pytest -m gpu -q -x tests/test_tp_allreduce.py -k symm 2>&1 | tail -15"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
