@@ -240,6 +240,15 @@ $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp
 | cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log" \
         "tests:230:python3 -m pytest -m gpu -q -x tests/test_tp_allreduce.py -k symm 2>&1 | tail -15"
     ;;
+  s10c)  # session 10, call 3 (two H200s, ~9 min): the tp=2 token test (one engine per process), stacks at 175 s if
+    # it hangs; a second 9B TP2 instance with symm_mem_norm and the 6 ms gather (BENCH.md: two, keep the better)
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run "tests:200:(sleep 175; pkill -USR1 -f 'spawn_mai[n]') >/dev/null 2>&1 & timeout 185 python3 -m pytest -m gpu -x -v \
+-o faulthandler_timeout=170 tests/test_tp_allreduce.py -k tp2_symm 2>&1 | tail -40" \
+        "serve9b:270:MSTAR_IDLE_GATHER_US=6000 MSTAR_TP_ALLREDUCE=symm_mem_norm TP=2 \
+$(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:\|built after' server-*.log \
+| cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
