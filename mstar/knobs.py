@@ -141,7 +141,12 @@ KNOBS: tuple[Knob, ...] = (
          "13851 against 14519 (its waves still took two steps: 17 prefill steps for 72 requests). Session 9 "
          "(notes/gpu-2026-11-30-s9.md): 0.8B c8 with 8000: 5010 and 5103 (two instances) against 4787, one prefill "
          "step per wave (9 for 72 requests); 9B TP2 c8 with 3000: 1769 against 1577 in session 8, TTFT p50 85 "
-         "against 209 ms. The default stays 0: an idle engine holds a lone request (c1) for the whole window.",
+         "against 209 ms. The window also opens when nothing runs but requests wait for admission (session 10: a "
+         "closed-loop wave whose first request came in while the last wave's rows were still decoding was prefilled "
+         "in two steps for good; 9B TP2 c8 with symm_mem_norm: 16 prefill steps for 72 requests and TTFT p50 144 ms "
+         "with 3000 before the change, 9 and 84 ms with 6000 after it, 1697 against 1967 tok/s, "
+         "notes/gpu-2026-12-01-s10.md). The default stays 0: an idle engine holds a lone request (c1) for the whole "
+         "window.",
          minimum=0),
     Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
@@ -155,15 +160,22 @@ KNOBS: tuple[Knob, ...] = (
          "default stays float32.",
          choices=("float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
-         "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce; "
+         "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): auto = symm_mem_norm where the ranks' "
+         "GPUs have peer access to each other and the model is bf16 / fp16, nccl elsewhere (CPU: gloo); "
+         "nccl = torch.distributed.all_reduce; "
          "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "
          "NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above. CUDA only: "
          "elsewhere it has no effect (with a warning). Measured (2 x H200, offline 9B TP2, prefill graphs on, "
          "c8/c32/c64/c128, notes/gpu-2026-11-30-s7.md): 1782 / 5722 / 9203 / 12808 tok/s against NCCL's "
          "1761 / 5688 / 9127 / 12529: +1-2%, near the noise, so the default stays nccl. symm_mem_norm = "
          "symm_mem, and each sum that a residual add + RMSNorm follows (all of them in Qwen3.5 / Qwen3) is one "
-         "Triton kernel that sums over the peers' buffers, adds and norms (three kernels apart).",
-         choices=("nccl", "symm_mem", "symm_mem_norm")),
+         "Triton kernel that sums over the peers' buffers, adds and norms (three kernels apart). Measured (2 x "
+         "H200, notes/gpu-2026-12-01-s10.md): per sum in a CUDA graph of 64, hidden 4096, at 8 / 32 / 128 / 256 rows "
+         "6.3 / 6.7 / 9.5 / 13.1 us against symm_mem's 9.6 / 11.2 / 17.4 / 24.1 and NCCL's 9.1 / 10.5 / 17.8 / 30.7 "
+         "(with the norm), the same bits; 9B TP2 served with MSTAR_IDLE_GATHER_US=6000: 1967 / 6383 / 9639 / 13844 "
+         "tok/s at c8 / c32 / c64 / c128 (the reference system's row: 1914 / 5822 / 9523 / 12758), c8 ITL p50 "
+         "3.75 ms against 4.19 with symm_mem in session 9.",
+         choices=("nccl", "symm_mem", "symm_mem_norm", "auto")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     # --- diagnostics -----------------------------------------------------------------------

@@ -143,3 +143,26 @@ def test_tp2_symm_mem_all_reduce_matches_nccl():
     # two ranks: the sum of two bf16 values is one rounding whichever kernel adds them, and the
     # fused kernel's add + norm is triton_norm's arithmetic, so the tokens are equal
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_auto_is_nccl_off_cuda_without_a_warning(fake_dist, caplog):
+    with knobs.override(MSTAR_TP_ALLREDUCE="auto"), caplog.at_level(logging.WARNING):
+        assert tp_allreduce.setup(torch.device("cpu"), torch.float32) == "nccl"
+        assert tp_allreduce.setup(torch.device("cpu"), torch.bfloat16) == "nccl"
+    assert parallel._FAST_ALL_REDUCE[0] is None and parallel._FUSED_REDUCE_NORM[0] is None
+    assert not caplog.records
+
+
+def test_auto_asks_for_peer_access_to_every_other_rank(monkeypatch):
+    """Rank r runs on GPU base + r: rank 1 of 4 on cuda:3 checks GPUs 2, 4 and 5."""
+    import torch.distributed as dist
+    asked = []
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: asked.append((a, b)) or b != 5)
+    dev = torch.device("cuda", 3)
+    assert not tp_allreduce._symmetric_memory_usable(dev, torch.bfloat16)
+    assert asked == [(3, 2), (3, 4), (3, 5)]
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert tp_allreduce._symmetric_memory_usable(dev, torch.bfloat16)
+    assert not tp_allreduce._symmetric_memory_usable(dev, torch.float32)  # the one-shot kernels take 16-bit dtypes

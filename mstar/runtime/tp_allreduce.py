@@ -8,6 +8,9 @@ bits). One launch and one peer read per element: for the small tensors of a deco
 this is the latency NCCL's ring cannot reach. Multicast (multimem) is never used: the GPU
 hosts keep TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
+"auto" is symm_mem_norm where the ranks' GPUs can address each other (CUDA peer access) and
+the model is bf16 / fp16, nccl elsewhere.
+
 "symm_mem_norm" is symm_mem plus, for the row-parallel outputs that a residual add + RMSNorm
 follows (every one in Qwen3.5 / Qwen3: the model defers those sums to its norms), one Triton kernel
 that sums, adds and norms (ops/backends/triton_allreduce_norm.py): one launch where symm_mem takes
@@ -117,6 +120,8 @@ def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> 
     if want is None:
         want = knobs.value("MSTAR_TP_ALLREDUCE")
     teardown()
+    if want == "auto":
+        want = "symm_mem_norm" if _symmetric_memory_usable(device, dtype) else "nccl"
     if want == "nccl":
         return "nccl"
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
@@ -129,6 +134,18 @@ def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> 
     log.info("tp all-reduce: one-shot on symmetric memory up to %d MiB, NCCL above%s", MAX_BYTES >> 20,
              "; fused with the residual add + RMSNorm" if want == "symm_mem_norm" else "")
     return want
+
+
+def _symmetric_memory_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """CUDA, a 16-bit model dtype, and this rank's GPU can address every other rank's (rank r
+    runs on GPU base + r). The answer is the same on every rank of one host; if it were not, rank 0
+    refuses to start (the ranks report what they installed)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    import torch.distributed as dist
+    rank, size = dist.get_rank(), dist.get_world_size()
+    base = device.index - rank
+    return all(torch.cuda.can_device_access_peer(device.index, base + r) for r in range(size) if r != rank)
 
 
 def teardown() -> None:
