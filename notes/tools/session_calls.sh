@@ -249,6 +249,16 @@ $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp
 $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:\|built after' server-*.log \
 | cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
+  s10d)  # session 10, call 4 (two H200s, ~7 min): where a 9B TP2 decode step's time goes with the fused sums
+    # (profile, batch 8 and 64), then 9B TP2 served with prefill graphs on (off by default at tp > 1)
+    export PACK_CACHE=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    p="python3 notes/tools/profile_step.py --model qwen3.5-9b --tp 2 --decode-graphs auto --async-output auto --top 12"
+    run "prof:150:MSTAR_TP_ALLREDUCE=symm_mem_norm timeout 140 $p --rows 8 --timed 2 > \$OUT/prof.txt 2>&1; \
+grep -A9 'unprofiled\|== prefill step' \$OUT/prof.txt | cut -c1-160; sed -n '/decode steps at/,\$p' \$OUT/prof.txt | head -32 | cut -c1-160" \
+        "servepg:270:MSTAR_IDLE_GATHER_US=6000 MSTAR_TP_ALLREDUCE=symm_mem_norm TP=2 SERVER_ARGS='--prefill-graphs on' \
+$(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:\|built after' server-*.log \
+| cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
