@@ -117,9 +117,9 @@ def weight_map(module: nn.Module) -> dict[str, WeightSlot]:
             for i, (shard, rows) in enumerate(zip(mod.shard_names, mod.shard_sizes)):
                 ws = wb = None
                 if mod.sources is not None:
-                    start, full = mod.sources[i]
-                    ws = ShardInfo((full, mod.weight.shape[1]), 0, ((start, 0, rows),))
-                    wb = ShardInfo((full,), 0, ((start, 0, rows),))
+                    full, pieces = mod.sources[i]
+                    ws = ShardInfo((full, mod.weight.shape[1]), 0, pieces)
+                    wb = ShardInfo((full,), 0, pieces)
                 out[f"{base}{shard}.weight"] = WeightSlot(mod.weight, off, rows, ws)
                 if mod.bias is not None:
                     out[f"{base}{shard}.bias"] = WeightSlot(mod.bias, off, rows, wb)
@@ -149,13 +149,20 @@ class FusedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, shard_names: Sequence[str], shard_sizes: Sequence[int],
-                 bias: bool = False, sources: Sequence[tuple[int, int]] | None = None):
+                 bias: bool = False, sources: Sequence | None = None):
         """`sources` (tensor parallel): per part, (first row taken, rows of the checkpoint
-        tensor); the part holds checkpoint rows [first, first + shard_size). None: whole."""
+        tensor): the part holds checkpoint rows [first, first + shard_size); or (rows of the
+        checkpoint tensor, pieces): ShardInfo pieces (source row, row in the part, rows), for a
+        part gathered from several ranges. None: whole."""
         super().__init__()
         self.shard_names = tuple(shard_names)
         self.shard_sizes = tuple(int(s) for s in shard_sizes)
-        self.sources = None if sources is None else tuple((int(a), int(b)) for a, b in sources)
+        self.sources = None
+        if sources is not None:
+            self.sources = tuple(
+                (int(a), tuple((int(x), int(y), int(z)) for x, y, z in b)) if isinstance(b, (tuple, list))
+                else (int(b), ((int(a), 0, n),))
+                for (a, b), n in zip(sources, self.shard_sizes))
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None

@@ -26,7 +26,7 @@ from mstar import ops
 from mstar.models.base import DecoderLayer, DecoderLM, TextModel
 from mstar.models.context import ForwardContext, StateLayerSpec
 from mstar.models import parallel
-from mstar.models.layers import (FusedLinear, GatedMLP, Linear, ParamHolder, QKNormAttention, RowParallelLinear,
+from mstar.models.layers import (FusedLinear, GatedMLP, ParamHolder, QKNormAttention, RowParallelLinear,
                                   rope_settings, set_shard)
 
 L2_EPS = 1e-6  # transformers' l2norm eps in the gated delta rule
@@ -67,27 +67,25 @@ class GatedDeltaNet(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"Gated DeltaNet conv activation {act!r} is not supported (only silu)")
-        # checkpoint: in_proj_qkv [conv_dim, H]; in_proj_z [value_dim, H]; in_proj_b/a [Hv, H]
-        self.in_proj_qkv = Linear(self.hidden, self.conv_dim)
-        zba_src = None
+        # checkpoint: in_proj_qkv [conv_dim, H]; in_proj_z [value_dim, H]; in_proj_b/a [Hv, H]: one
+        # matmul of x (a decode step: one launch instead of two, one larger read of the weights)
+        src = qkv = None
         if size > 1:
+            # q, k, v channels of the fused projection and of the conv, each sliced by head
+            kd, vd = self.key_dim, self.value_dim
             kd_all, vd_all = hk_all * self.head_k_dim, hv_all * self.head_v_dim
-            zba_src = ((hv0 * self.head_v_dim, vd_all), (hv0, hv_all), (hv0, hv_all))
-        self.in_proj_zba = FusedLinear(self.hidden, ("in_proj_z", "in_proj_b", "in_proj_a"),
-                                       (self.value_dim, self.num_v_heads, self.num_v_heads), sources=zba_src)
+            qkv = ((hk0 * self.head_k_dim, 0, kd), (kd_all + hk0 * self.head_k_dim, kd, kd),
+                   (2 * kd_all + hv0 * self.head_v_dim, 2 * kd, vd))
+            src = ((2 * kd_all + vd_all, qkv), (hv0 * self.head_v_dim, vd_all), (hv0, hv_all), (hv0, hv_all))
+        self.in_proj = FusedLinear(self.hidden, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                                   (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), sources=src)
         self.conv1d = ParamHolder(self.conv_dim, 1, self.conv_kernel)  # depthwise, no bias
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)  # per head dim: replicated
         self.out_proj = RowParallelLinear(hv_all * self.head_v_dim, self.hidden)
         if size > 1:
-            # q, k, v channels of the fused projection and of the conv, each sliced by head
-            kd, vd = self.key_dim, self.value_dim
-            qkv = ((hk0 * self.head_k_dim, 0, kd), (kd_all + hk0 * self.head_k_dim, kd, kd),
-                   (2 * kd_all + hv0 * self.head_v_dim, 2 * kd, vd))
-            conv_all = 2 * kd_all + vd_all
-            set_shard(self.in_proj_qkv, "weight", (conv_all, self.hidden), qkv)
-            set_shard(self.conv1d, "weight", (conv_all, 1, self.conv_kernel), qkv)
+            set_shard(self.conv1d, "weight", (2 * kd_all + vd_all, 1, self.conv_kernel), qkv)
             for name in ("dt_bias", "A_log"):
                 set_shard(self, name, (hv_all,), ((hv0, 0, self.num_v_heads),))
         self.scale = self.head_k_dim ** -0.5
@@ -112,7 +110,8 @@ class GatedDeltaNet(nn.Module):
     # projections, the conv / recurrence over the state pools (reads the step's metadata), the
     # output projection.
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.in_proj_qkv(x), self.in_proj_zba(x)  # [T, conv_dim], [T, value_dim + 2 Hv]
+        y = self.in_proj(x)  # [T, conv_dim | value_dim + 2 Hv]: two column views (the conv kernels take row strides)
+        return y[:, :self.conv_dim], y[:, self.conv_dim:]
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.out_proj(o)
