@@ -259,6 +259,12 @@ grep -A9 'unprofiled\|== prefill step' \$OUT/prof.txt | cut -c1-160; sed -n '/de
 $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp rank 1:\|built after' server-*.log \
 | cut -c1-300; tar czf logs.tgz server-*.log && rm -f server-*.log"
     ;;
+  s10e)  # session 10 (one H200, ~3 min): Qwen3.5 on the GPU after the fused in_proj (strided conv / gate inputs):
+    # the tiny checkpoint against transformers, the full-size fast backends against the reference, graphs vs eager
+    export PACK_CACHE=0
+    run "gputests:170:python3 -m pytest -m gpu -q -x tests/test_models_gpu.py tests/test_decode_graphs.py \
+-k 'qwen3_5 or (matches_eager and qwen3.5-gpu and off)' 2>&1 | tail -15"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
