@@ -262,7 +262,7 @@ $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp
   s10e)  # session 10 (one H200, ~3 min): Qwen3.5 on the GPU after the fused in_proj (strided conv / gate inputs):
     # the tiny checkpoint against transformers, the full-size fast backends against the reference, graphs vs eager
     export PACK_CACHE=0
-    run "gputests:170:python3 -m pytest -m gpu -q -x tests/test_models_gpu.py tests/test_decode_graphs.py \
+    run "gputests:170:timeout 160 python3 -m pytest -m gpu -q -x tests/test_models_gpu.py tests/test_decode_graphs.py \
 -k 'qwen3_5 or (matches_eager and qwen3.5-gpu and off)' 2>&1 | tail -15"
     ;;
   ab)
