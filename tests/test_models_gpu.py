@@ -52,6 +52,12 @@ def test_full_size_qwen3_5_fast_backends_match_reference(dtype):
     cos = torch.nn.functional.cosine_similarity(fast.double(), ref.double(), dim=-1).min().item()
     print(f"{dtype}: rel err {err:.2e}, min cosine {cos:.6f}")
     if dtype == torch.float32:
-        assert err < 2e-3, err
+        # fla's chunk kernels (the GDN prefill) multiply float32 in TF32 (tl.dot's default): 6.6-7.2e-3
+        # at seeds 1-3 (notes/tools/fast_vs_reference_probe.py, session 10); with the GDN prefill on
+        # the reference, every other fast kernel stays within 1.2e-5
+        assert err < 2e-2 and cos > 0.9999, (err, cos)
+        with knobs.override(MSTAR_BACKENDS="gdn_prefill=reference,gdn_prefill_fused=composed"):
+            no_tf32 = run()
+        assert rel_err(no_tf32, ref) < 1e-4, rel_err(no_tf32, ref)
     else:  # two bf16 paths through 24 layers drift apart a little, row by row
         assert cos > 0.99, cos
