@@ -29,6 +29,17 @@ def test_tiny_checkpoint_on_gpu_matches_transformers(family, dtype, tol, tmp_pat
     check_mixed(hf, model, vocab=VOCAB, page_size=16, tol=tol)
 
 
+def prefill_decode_logits(model, seqs: dict, lengths: list[int]) -> torch.Tensor:
+    """The last logits of a prefill step of seqs[i][:lengths[i]] (all rows in one step), then of
+    one decode step of each row's next token: [2 x rows, vocab]."""
+    h = Harness(model, max_seqs=len(lengths), max_len=160, page_size=16)
+    out = h.step(prefill={i: s[:n] for i, (s, n) in enumerate(zip(seqs.values(), lengths))})
+    lg = [out[i][-1] for i in range(len(lengths))]
+    out = h.step(decode={i: seqs[i][n] for i, n in enumerate(lengths)})
+    lg += [out[i][-1] for i in range(len(lengths))]
+    return torch.stack(lg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_full_size_qwen3_5_fast_backends_match_reference(dtype):
     model = load_model("qwen3.5-0.8b", dtype=dtype, device="cuda", random_weights=True, seed=1)
@@ -36,12 +47,7 @@ def test_full_size_qwen3_5_fast_backends_match_reference(dtype):
     seqs = {i: random_tokens(n + 2, 248320, 20 + i) for i, n in enumerate(lengths)}
 
     def run():
-        h = Harness(model, max_seqs=3, max_len=160, page_size=16)
-        out = h.step(prefill={i: s[:n] for i, (s, n) in enumerate(zip(seqs.values(), lengths))})
-        lg = [out[i][-1] for i in range(3)]
-        out = h.step(decode={i: seqs[i][n] for i, n in enumerate(lengths)})
-        lg += [out[i][-1] for i in range(3)]
-        return torch.stack(lg)
+        return prefill_decode_logits(model, seqs, lengths)
 
     fast = run()
     print("backends:", {e.name: e.selected("cuda") for e in ops.all_ops()})

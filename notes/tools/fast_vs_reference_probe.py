@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from hf_models import random_tokens  # noqa: E402
-from model_harness import Harness, rel_err  # noqa: E402
+from model_harness import rel_err  # noqa: E402
+from test_models_gpu import prefill_decode_logits  # noqa: E402
 
 from mstar import knobs  # noqa: E402
 from mstar.models import load_model  # noqa: E402
@@ -37,12 +38,7 @@ def main() -> None:
         seqs = {i: random_tokens(n + 2, model.config.vocab_size, 20 + i) for i, n in enumerate(lengths)}
 
         def run():
-            h = Harness(model, max_seqs=3, max_len=160, page_size=16)
-            out = h.step(prefill={i: s[:n] for i, (s, n) in enumerate(zip(seqs.values(), lengths))})
-            lg = [out[i][-1] for i in range(3)]
-            out = h.step(decode={i: seqs[i][n] for i, n in enumerate(lengths)})
-            lg += [out[i][-1] for i in range(3)]
-            return torch.stack(lg)
+            return prefill_decode_logits(model, seqs, lengths)
 
         fast = run()
         with knobs.override(MSTAR_BACKENDS="*=reference"):
