@@ -29,18 +29,20 @@ def test_gdn_prefill_prep_kernel_compiles_for_sm90(hk, hv):
 @pytest.mark.parametrize("world,rank", [(2, 1), (4, 3)])
 def test_allreduce_norm_kernel_compiles_for_sm90_with_sys_scope_flags(world, rank):
     """The fused all-reduce + add + RMSNorm (MSTAR_TP_ALLREDUCE=symm_mem_norm): it compiles, its
-    flags are system-scope release / acquire compare-and-swaps, and the peers' rows are read past
-    L1 in 16-byte vectors (the buffers' addresses are 16-byte aligned)."""
+    flags are system-scope release / acquire compare-and-swaps with a timed trap, and the peers'
+    rows are read past L1 in 16-byte vectors (the buffers' addresses are 16-byte aligned)."""
     from mstar.ops.backends import triton_allreduce_norm
     sig = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
     sig.update({"buf_addrs_ptr": "*i64", "flag_addrs_ptr": "*i64", "n_cols": "i32", "x_stride": "i64",
                 "res_stride": "i64", "eps": "fp32", "RANK": "constexpr", "WORLD": "constexpr",
-                "ZERO_CENTERED": "constexpr", "BLOCK": "constexpr"})
+                "ZERO_CENTERED": "constexpr", "BLOCK": "constexpr", "TIMEOUT_NS": "constexpr"})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(10)}  # as a launch with aligned tensors specialises
     src = ASTSource(fn=triton_allreduce_norm._reduce_add_rms_norm_kernel, signature=sig, attrs=attrs,
-                    constexprs={"RANK": rank, "WORLD": world, "ZERO_CENTERED": True, "BLOCK": 4096})
+                    constexprs={"RANK": rank, "WORLD": world, "ZERO_CENTERED": True, "BLOCK": 4096,
+                                "TIMEOUT_NS": 600 * 10 ** 9})
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     ptx = out.asm["ptx"]
     assert ptx.count("atom.global.release.sys.cas.b32") == world - 1
     assert ptx.count("atom.global.acquire.sys.cas.b32") == world - 1
     assert ptx.count("ld.global.cg.v4") == 2 * world  # 4096 bf16 over 256 threads: two vectors a rank
+    assert ptx.count("trap;") == 2 * (world - 1) and "%globaltimer" in ptx  # a peer that never signals

@@ -182,7 +182,8 @@ class TensorParallel:
             t = now()
             dist.init_process_group(backend_for(self.device), store=self._store, rank=0, world_size=self.size,
                                     timeout=COLLECTIVE_TIMEOUT)
-            self.allreduce = tp_allreduce.setup(self.device, dtype, self._allreduce_mode)  # the followers alike
+            self.allreduce = tp_allreduce.setup(self.device, dtype, self._allreduce_mode,  # the followers alike
+                                                timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
             self.startup["init_process_group"] = now() - t
         except BaseException:
             self.close()

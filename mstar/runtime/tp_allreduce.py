@@ -78,10 +78,11 @@ class SymmMemReduceNorm:
     row and rank. Takes 2-D tensors of the model's dtype of at most MAX_BYTES; the decision
     depends only on shapes and dtypes, so every rank decides alike."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float = 600.0):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm
 
+        self.timeout_s = float(timeout_s)
         group_name = dist.group.WORLD.group_name
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype, self.capacity = dtype, MAX_BYTES // dtype.itemsize
@@ -111,12 +112,13 @@ class SymmMemReduceNorm:
                 or x.shape[0] > FLAG_ROWS):
             return None
         return self.kernel(x, residual, weight, eps, zero_centered, self.buf_addrs[site % 2], self.flag_addrs,
-                           self.rank, self.world)
+                           self.rank, self.world, self.timeout_s)
 
 
-def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> str:
+def setup(device: torch.device, dtype: torch.dtype, want: str | None = None, timeout_s: float = 600.0) -> str:
     """Install the all-reduce `want` names (default: the knob's) on this rank; returns what is
-    in use. Every rank must pass the same `want` (rank 0 sends its own to the followers)."""
+    in use. Every rank must pass the same `want` (rank 0 sends its own to the followers).
+    timeout_s: how long the fused kernel waits for a peer before it traps (the collective timeout)."""
     if want is None:
         want = knobs.value("MSTAR_TP_ALLREDUCE")
     teardown()
@@ -130,7 +132,7 @@ def setup(device: torch.device, dtype: torch.dtype, want: str | None = None) -> 
         return "nccl"
     parallel.install_all_reduce(SymmMemAllReduce(device, dtype))
     if want == "symm_mem_norm":
-        parallel.install_fused_reduce_norm(SymmMemReduceNorm(device, dtype))
+        parallel.install_fused_reduce_norm(SymmMemReduceNorm(device, dtype, timeout_s))
     log.info("tp all-reduce: one-shot on symmetric memory up to %d MiB, NCCL above%s", MAX_BYTES >> 20,
              "; fused with the residual add + RMSNorm" if want == "symm_mem_norm" else "")
     return want

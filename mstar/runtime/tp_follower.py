@@ -112,7 +112,7 @@ def _follower(config, rank, size, port, conn, results, threads, fault, timeout, 
     t = now()
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=timeout)
-    summing = tp_allreduce.setup(device, dtype, allreduce)  # collective: rank 0 does the same
+    summing = tp_allreduce.setup(device, dtype, allreduce, timeout_s=timeout.total_seconds())  # rank 0 alike
     ph["init_process_group"] = now() - t
 
     t = now()
