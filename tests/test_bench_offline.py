@@ -57,3 +57,28 @@ def test_one_engine_caps_the_running_batch_per_point(tmp_path, monkeypatch):
     assert builds == [5] and [r["concurrency"] for r in recs] == [2, 5]
     assert all(r["one_engine"] and r["knobs"] == {} for r in recs)
     assert peak[2] == 2 and 2 < peak[5] <= 5, peak
+
+
+def test_symmetric_memory_with_an_engine_per_point_warns(monkeypatch, caplog):
+    """notes/tp.md, Limits: a second tensor-parallel engine's symmetric-memory set-up in one
+    process did not finish; the bench says to pass --one-engine (and says nothing with NCCL)."""
+    import argparse
+    import logging
+
+    from mstar import knobs
+    from mstar.bench import offline
+
+    class Built(Exception):
+        pass
+
+    def build(args, c):
+        raise Built
+
+    monkeypatch.setattr(offline, "_build", build)
+    args = argparse.Namespace(tp=2, one_engine=False, concurrency=[8, 32])
+    for mode, warned in (("symm_mem_norm", True), ("nccl", False)):
+        caplog.clear()
+        with knobs.override(MSTAR_TP_ALLREDUCE=mode), caplog.at_level(logging.WARNING):
+            with pytest.raises(Built):
+                offline.run(args)
+        assert any("pass --one-engine" in r.getMessage() for r in caplog.records) == warned

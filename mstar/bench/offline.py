@@ -48,6 +48,12 @@ def _append(path: str, rec: dict) -> None:
 
 def run(args) -> list[dict]:
     records = []
+    if (getattr(args, "tp", 1) > 1 and not args.one_engine and len(args.concurrency) > 1
+            and knobs.value("MSTAR_TP_ALLREDUCE") != "nccl"):
+        # notes/tp.md, "Limits": a second symmetric-memory rendezvous in one process did not finish
+        logging.getLogger("mstar.bench").warning(
+            "--tp %d with MSTAR_TP_ALLREDUCE=%s builds one engine per point; a later engine's symmetric-memory "
+            "set-up may hang in this process: pass --one-engine", args.tp, knobs.value("MSTAR_TP_ALLREDUCE"))
     shared = _build(args, max(args.concurrency)) if args.one_engine else None
     try:
         for c in args.concurrency:
