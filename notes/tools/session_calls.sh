@@ -265,6 +265,12 @@ $(serve qwen3.5-9b 8009 8 32 64 128); cd \$OUT && grep -h 'tp=2: rank 0 sent\|tp
     run "gputests:170:timeout 160 python3 -m pytest -m gpu -q -x tests/test_models_gpu.py tests/test_decode_graphs.py \
 -k 'qwen3_5 or (matches_eager and qwen3.5-gpu and off)' 2>&1 | tail -15"
     ;;
+  s10g)  # session 10 (one H200, ~5.5 min): 4B served, default configuration, after the fused GDN in_proj and the
+    # aligned step buffers (session 9's best of three at 7fa40fb / 21853ad: 2039 / 5985 / 9058 / 11813)
+    export PACK_CACHE=0
+    run "serve4b:290:$(serve qwen3.5-4b 8004 8 32 64 128); cd \$OUT && grep -h 'built after' server-*.log | cut -c1-200; \
+tar czf logs.tgz server-*.log && rm -f server-*.log"
+    ;;
   ab)
     run "ab:480:for k in '' MSTAR_KV_PLAN_CACHE=1 MSTAR_INGRAPH_DECODE_TOKENS=1 \
 'MSTAR_INGRAPH_DECODE_TOKENS=1 MSTAR_INGRAPH_DECODE_ROPE=1' MSTAR_KV_PINNED_INDPTRS=1 MSTAR_KV_CHAIN_LAZY_STEPS=8; do \
