@@ -13,14 +13,15 @@ row:
      the same row wait for each other;
   3. sum the row over all ranks' buffers in rank order (float32; every rank gets the same bits),
      round to the activation dtype (what the all-reduce would return), add the residual, round,
-     normalise: the same arithmetic as triton_norm's fused add + RMSNorm.
+     normalise: triton_norm's add_residual and store_rms_norm, as its fused add + RMSNorm.
 
 A flag is set only when it is 0 (the sender spins), so a fast rank cannot overwrite a signal its
 peer has not consumed yet. A rank whose peer never signals (the peer died) traps after the
 timeout (the tensor-parallel collective timeout): its CUDA context fails and the engine reports
-an error instead of spinning for ever (NCCL's own timeout does the same for its collectives). There is no closing barrier: the caller alternates between two buffers
-(even / odd sites of the forward), and a rank reaches the site after next only after its peer has
-signalled the next one, which it does after finishing its reads of this one.
+an error instead of spinning for ever (NCCL's own timeout does the same for its collectives).
+There is no closing barrier: the caller alternates between two buffers (even / odd sites of the
+forward), and a rank reaches the site after next only after its peer has signalled the next one,
+which it does after finishing its reads of this one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from mstar.ops.backends.triton_norm import add_residual, store_rms_norm
+
+# Triton's CPU interpreter (the tests) has no inline assembly: no timer there
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -84,18 +90,8 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
     for q in tl.static_range(WORLD):
         src = tl.multiple_of(tl.load(buf_addrs_ptr + q).to(tl.pointer_type(dt)), 16)
         acc += tl.load(src + row64 * n_cols + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    s = acc.to(dt).to(tl.float32) + tl.load(res_ptr + row64 * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    s_r = s.to(dt)
-    tl.store(res_out_ptr + row64 * n_cols + cols, s_r, mask=mask)
-    s = s_r.to(tl.float32)
-    var = tl.sum(s * s, axis=0) / n_cols
-    y = s * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    else:  # the plain form rounds before the weight (as triton_norm)
-        y = y.to(dt).to(tl.float32)
-    tl.store(out_ptr + row64 * n_cols + cols, (y * w).to(dt), mask=mask)
+    s = add_residual(acc.to(dt).to(tl.float32), res_ptr, res_out_ptr, row64, cols, mask, res_stride, n_cols)
+    store_rms_norm(s, w_ptr, out_ptr, row64, cols, mask, n_cols, n_cols, eps, ZERO_CENTERED)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -106,7 +102,7 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     tensors of every rank's buffer (room for rows x hidden of x's dtype) and flags (rows x world
     int32, zero between calls) addresses. Every rank must call it with the same rows. timeout_s:
     how long to wait for a peer before trapping (not under Triton's CPU interpreter)."""
-    timeout_ns = 0 if os.environ.get("TRITON_INTERPRET") == "1" else max(1, int(timeout_s * 1e9))
+    timeout_ns = 0 if _INTERPRETED else max(1, int(timeout_s * 1e9))
     n, h = x.shape
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)

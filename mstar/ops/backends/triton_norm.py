@@ -16,17 +16,36 @@ def _cuda() -> bool:
 
 
 @triton.jit
+def add_residual(x, res_ptr, res_out_ptr, row, cols, mask, res_stride, out_stride):
+    """x (float32) + the row of the residual, stored as the new residual rounded to the activation
+    dtype (as the reference's x + residual is) and returned as rounded."""
+    x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x_r = x.to(res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
+    return x_r.to(tl.float32)
+
+
+@triton.jit
 def load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride,
              HAS_RES: tl.constexpr):
-    """A row of x in float32; with a residual, x + residual, stored as the new residual rounded
-    to the activation dtype (as the reference's x + residual is) and returned as rounded."""
+    """A row of x in float32; with a residual, x + residual (add_residual)."""
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        x_r = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * out_stride + cols, x_r, mask=mask)
-        x = x_r.to(tl.float32)
+        x = add_residual(x, res_ptr, res_out_ptr, row, cols, mask, res_stride, out_stride)
     return x
+
+
+@triton.jit
+def store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED: tl.constexpr):
+    """RMSNorm of the float32 row x, weighted, stored in out's dtype."""
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = x * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    else:  # the plain form rounds before the weight, as transformers' Qwen3RMSNorm
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -36,14 +55,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stri
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride, HAS_RES)
-    var = tl.sum(x * x, axis=0) / n_cols
-    y = x * tl.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        w = w + 1.0
-    else:  # the plain form rounds before the weight, as transformers' Qwen3RMSNorm
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
