@@ -145,7 +145,7 @@ def test_the_runtime_declines_what_the_kernel_cannot_take():
     f = tp_allreduce.SymmMemReduceNorm.__new__(tp_allreduce.SymmMemReduceNorm)
     f.dtype, f.capacity = torch.bfloat16, 64 * 8
     f.kernel = lambda *a: "fused"
-    f.buf_addrs, f.flag_addrs, f.rank, f.world, f.timeout_s = torch.zeros(2, 2), None, 0, 2, 60.0
+    f.buf_addrs, f.flag_addrs, f.rank, f.world, f.timeout_s = (torch.zeros(2), torch.ones(2)), None, 0, 2, 60.0
     bf = torch.bfloat16
     x, r, w = torch.ones(8, 64, dtype=bf), torch.ones(8, 64, dtype=bf), torch.ones(64, dtype=bf)
     assert f(x, r, w, 1e-6, True, 3) == "fused"

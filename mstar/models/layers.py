@@ -140,6 +140,15 @@ def weight_map(module: nn.Module) -> dict[str, WeightSlot]:
 
 
 # --- linear layers ----------------------------------------------------------------------------
+def _part_source(src, rows: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """A FusedLinear part's source, (first, checkpoint rows) or (checkpoint rows, pieces), as the
+    latter."""
+    a, b = src
+    if isinstance(b, (tuple, list)):
+        return int(a), tuple((int(x), int(y), int(z)) for x, y, z in b)
+    return int(b), ((int(a), 0, rows),)
+
+
 class FusedLinear(nn.Module):
     """One matmul for several checkpoint projections of the same input.
 
@@ -157,12 +166,9 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.shard_names = tuple(shard_names)
         self.shard_sizes = tuple(int(s) for s in shard_sizes)
-        self.sources = None
-        if sources is not None:
-            self.sources = tuple(
-                (int(a), tuple((int(x), int(y), int(z)) for x, y, z in b)) if isinstance(b, (tuple, list))
-                else (int(b), ((int(a), 0, n),))
-                for (a, b), n in zip(sources, self.shard_sizes))
+        # kept as (checkpoint rows, pieces) per part
+        self.sources = None if sources is None else tuple(
+            _part_source(src, n) for src, n in zip(sources, self.shard_sizes))
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
@@ -201,7 +207,7 @@ class RowParallelLinear(Linear):
             set_shard(self, "weight", (out_features, in_features), ((start, 0, local),), dim=1)
 
     def defer_reduce(self) -> None:
-        """Return the rank's partial sum: the consumer (an RMSNorm with reduces_input) sums it."""
+        """Return the rank's partial sum: the consumer (an RMSNorm after reduce_input()) sums it."""
         if self.bias is not None:
             raise ValueError("a row-parallel linear with a bias cannot leave its sum to the next norm")
         self.deferred = True

@@ -175,7 +175,8 @@ class StepInputBuilder:
 
         attn = None
         if self.has_attention:
-            h = _split(*_host_pack(host_parts))
+            flat_h, at_h = _pack(host_parts, np.int32)  # read by the host: the alignment only costs padding
+            h = _split(torch.from_numpy(flat_h), at_h)
             h_dindptr, h_dlast, h_qo, h_pindptr, h_plast = h
             attn = AttentionMetadata(slot_mapping=t_slotmap, decode_kv_indptr=h_dindptr,
                                      decode_kv_indices=t_dind, decode_kv_last_page_len=h_dlast,
@@ -287,15 +288,6 @@ def _pack(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[tuple[int, i
     for (start, n), a in zip(at, parts):
         flat[start:start + n] = a
     return flat, at
-
-
-def _host_pack(parts: list[np.ndarray]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The host-side int32 parts, packed (no alignment needed: read by the host)."""
-    at, o = [], 0
-    for a in parts:
-        at.append((o, len(a)))
-        o += len(a)
-    return torch.from_numpy(np.concatenate(parts).astype(np.int32)), at
 
 
 def _split(buf: torch.Tensor, at: list[tuple[int, int]]) -> list[torch.Tensor]:

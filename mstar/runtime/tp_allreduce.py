@@ -94,8 +94,9 @@ class SymmMemReduceNorm:
         # each rank's copy at the same offset of its allocation
         b_off, f_off = self.bufs.data_ptr() - hb.buffer_ptrs[self.rank], self.flags.data_ptr() - hf.buffer_ptrs[self.rank]
         half = self.capacity * dtype.itemsize
-        self.buf_addrs = torch.tensor([[hb.buffer_ptrs[r] + b_off + p * half for r in range(self.world)]
-                                       for p in range(2)], dtype=torch.int64, device=device)
+        addrs = torch.tensor([[hb.buffer_ptrs[r] + b_off + p * half for r in range(self.world)] for p in range(2)],
+                             dtype=torch.int64, device=device)
+        self.buf_addrs = (addrs[0], addrs[1])  # by the site's parity; views made once, not per call
         self.flag_addrs = torch.tensor([hf.buffer_ptrs[r] + f_off for r in range(self.world)], dtype=torch.int64,
                                        device=device)
         # every rank's flags are zero before any rank can signal
