@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
+from gdn_helpers import gdn_inputs
 from mstar.ops import gdn
-from tests.test_ops_gdn import _inputs
 
 H, DK, DV = 2, 8, 6
 
@@ -53,7 +53,7 @@ def fla_backend(monkeypatch):
 
 def _case(lens, snaps, seed):
     gen = torch.Generator().manual_seed(seed)
-    (q, k, v, g, beta), cu = _inputs(lens, H, DK, DV, gen)
+    (q, k, v, g, beta), cu = gdn_inputs(lens, H, DK, DV, gen)
     nslots = len(lens) + len(snaps) + 3
     pool = torch.randn(nslots, H, DK, DV, generator=gen)
     perm = torch.randperm(nslots, generator=gen)

@@ -64,15 +64,15 @@ def test_decode_op_rounds_only_the_stored_state():
 
 def test_tp_follower_takes_rank0s_state_dtype():
     """Rank 0 sends its state dtype with the cache sizes; tokens at tp=2 equal tp=1's with it."""
-    from tests.test_tp import _closed_cleanly, _engine
+    from tp_helpers import closed_cleanly, tp_engine
     with knobs.override(MSTAR_GDN_STATE_DTYPE="bfloat16"):
-        one = run_all(_engine("qwen3.5", 1), _reqs())
-        core = _engine("qwen3.5", 2)
+        one = run_all(tp_engine("qwen3.5", 1), _reqs())
+        core = tp_engine("qwen3.5", 2)
     try:
         assert core.cm.caches.recurrent_states[0].dtype == torch.bfloat16
         two = run_all(core, _reqs())
         # the follower's own knob is the default (float32): the override is this process's only
         assert core.tp.follower_state_dtype == ["bfloat16"]
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
     assert two == one

@@ -152,8 +152,9 @@ def test_decode_equals_last_row_of_prefill(dtype):
     last = (qo_indptr[1:] - 1).long()
     dec = ops.paged_attention_decode(q[last].contiguous(), paged.k_cache, paged.v_cache, paged.kv_indptr,
                                      paged.kv_indices, paged.kv_last_page_len, 0.1)
-    # float32: both are fp32 softmax over the same scores, rtol/atol 1e-6; bf16: 1 ulp
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    # float32: both are fp32 softmax over the same scores, summed in other orders (up to ~2e-6
+    # apart over 120 keys on fresh inputs), so 1e-5; bf16: 1 ulp
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(dec, pre[last], **tol)
 
 

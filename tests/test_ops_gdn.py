@@ -8,25 +8,12 @@ import inspect
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from gdn_helpers import gdn_inputs
 from mstar import ops
 
 ATOL = RTOL = 2e-4
 POISON = 777.0
-
-
-def _inputs(lens, H, Dk, Dv, gen, dtype=torch.float32):
-    T = sum(lens)
-    q = F.normalize(torch.randn(T, H, Dk, generator=gen, dtype=torch.float64), dim=-1)
-    k = F.normalize(torch.randn(T, H, Dk, generator=gen, dtype=torch.float64), dim=-1)
-    v = torch.randn(T, H, Dv, generator=gen, dtype=torch.float64)
-    # log decays like Qwen3.5's -A * softplus(a + dt_bias): mostly mild, some heads strong
-    A = torch.exp(torch.randn(H, generator=gen, dtype=torch.float64))
-    g = -A * F.softplus(torch.randn(T, H, generator=gen, dtype=torch.float64) - 1.0)
-    beta = torch.rand(T, H, generator=gen, dtype=torch.float64)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    return (q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.to(dtype)), cu
 
 
 def _naive(q, k, v, g, beta, S, scale):
@@ -53,7 +40,7 @@ def _close(a, b, what):
 def test_prefill_vs_naive_with_snapshots(H, Dk, Dv):
     gen = torch.Generator().manual_seed(H * 1000 + Dk + Dv)
     lens = [1, 5, 63, 0, 64, 65, 200]
-    (q, k, v, g, beta), cu = _inputs(lens, H, Dk, Dv, gen)
+    (q, k, v, g, beta), cu = gdn_inputs(lens, H, Dk, Dv, gen)
     T = sum(lens)
     num_slots = 20
     pool = torch.full((num_slots, H, Dk, Dv), POISON)
@@ -93,7 +80,7 @@ def test_prefill_then_decode_equals_prefill_whole():
     H, Dk, Dv = 4, 32, 16
     n_pre, n_dec = [70, 3, 128], 9
     lens_whole = [n + n_dec for n in n_pre]
-    (q, k, v, g, beta), cu = _inputs(lens_whole, H, Dk, Dv, gen)
+    (q, k, v, g, beta), cu = gdn_inputs(lens_whole, H, Dk, Dv, gen)
     scale = Dk ** -0.5
     slots = torch.tensor([4, 0, 2])
     init = torch.randn(3, H, Dk, Dv, generator=gen) * 0.3
@@ -122,7 +109,7 @@ def test_prefill_then_decode_equals_prefill_whole():
 def test_prefill_in_two_pieces(split):
     gen = torch.Generator().manual_seed(split)
     H, Dk, Dv = 2, 16, 16
-    (q, k, v, g, beta), _ = _inputs([200], H, Dk, Dv, gen)
+    (q, k, v, g, beta), _ = gdn_inputs([200], H, Dk, Dv, gen)
     scale = Dk ** -0.5
     slots = torch.tensor([1])
     empty = torch.zeros(0, dtype=torch.long)
@@ -144,7 +131,7 @@ def test_prefill_in_two_pieces(split):
 def test_decode_vs_naive_and_untouched_slots():
     gen = torch.Generator().manual_seed(7)
     H, Dk, Dv, B = 3, 128, 64, 5
-    (q, k, v, g, beta), _ = _inputs([B], H, Dk, Dv, gen)
+    (q, k, v, g, beta), _ = gdn_inputs([B], H, Dk, Dv, gen)
     pool = torch.full((12, H, Dk, Dv), POISON)
     slots = torch.tensor([11, 2, 5, 0, 7])
     init = torch.randn(B, H, Dk, Dv, generator=gen)
@@ -163,7 +150,7 @@ def test_bf16_inputs():
     gen = torch.Generator().manual_seed(3)
     H, Dk, Dv = 2, 64, 32
     lens = [90, 17]
-    (q, k, v, g, beta), cu = _inputs(lens, H, Dk, Dv, gen, dtype=torch.bfloat16)
+    (q, k, v, g, beta), cu = gdn_inputs(lens, H, Dk, Dv, gen, dtype=torch.bfloat16)
     pool = torch.zeros(3, H, Dk, Dv)
     empty = torch.zeros(0, dtype=torch.long)
     out = ops.gdn_prefill(q, k, v, g, beta, pool, cu, torch.tensor([0, 2]), empty, empty, Dk ** -0.5)
@@ -186,7 +173,7 @@ def test_matches_transformers_qwen3_5():
     hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     gen = torch.Generator().manual_seed(11)
     H, Dk, Dv, L, n_dec = 4, 64, 32, 150, 3
-    (q, k, v, g, beta), _ = _inputs([L + n_dec], H, Dk, Dv, gen)
+    (q, k, v, g, beta), _ = gdn_inputs([L + n_dec], H, Dk, Dv, gen)
     init = torch.randn(1, H, Dk, Dv, generator=gen) * 0.5
     scale = Dk ** -0.5
     pool = torch.zeros(2, H, Dk, Dv)
@@ -214,7 +201,7 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(5)
     H, Dk, Dv = 2, 16, 8
     lens = [3, 70]
-    (q, k, v, g, beta), cu = _inputs(lens, H, Dk, Dv, gen)
+    (q, k, v, g, beta), cu = gdn_inputs(lens, H, Dk, Dv, gen)
     pool = torch.randn(6, H, Dk, Dv, generator=gen)
     torch.library.opcheck(ops.gdn_prefill.overload,
                           (q, k, v, g, beta, pool, cu, torch.tensor([4, 1]), torch.tensor([1, 40]),

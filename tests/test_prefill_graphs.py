@@ -68,14 +68,14 @@ def test_prefill_graphs_refuse_what_they_cannot_cut(caplog):
 def test_static_prefill_graphs_at_tp2():
     """tp = 2 over gloo: both ranks run the segments at the same padded size (their all-reduces
     pair up); tokens equal the tp = 1 plain forward's."""
-    from tests.test_tp import PS, _closed_cleanly, _engine, _greedy
-    ref = _greedy(_engine("qwen3.5", 1, max_num_seqs=4, max_num_batched_tokens=32), PS, 12)
-    core = _engine("qwen3.5", 2, max_num_seqs=4, max_num_batched_tokens=32, prefill_graphs="static")
+    from tp_helpers import PS, closed_cleanly, run_greedy, tp_engine
+    ref = run_greedy(tp_engine("qwen3.5", 1, max_num_seqs=4, max_num_batched_tokens=32), PS, 12)
+    core = tp_engine("qwen3.5", 2, max_num_seqs=4, max_num_batched_tokens=32, prefill_graphs="static")
     try:
         assert core.prefill_graphs is not None and core.prefill_graphs.sizes == [16, 32]
-        assert _greedy(core, PS, 12) == ref
+        assert run_greedy(core, PS, 12) == ref
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 @pytest.mark.gpu
@@ -101,7 +101,7 @@ def test_cuda_prefill_graphs_at_tp2():
     from mstar.runtime.config import EngineConfig
     from mstar.runtime.engine_core import EngineCore
     from engine_helpers import model_dir
-    from tests.test_tp import PS, _closed_cleanly, _greedy
+    from tp_helpers import PS, closed_cleanly, run_greedy
     opts = dict(model=model_dir("qwen3-gpu"), device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                 max_model_len=256, max_num_batched_tokens=128)
     ps = PS
@@ -110,7 +110,7 @@ def test_cuda_prefill_graphs_at_tp2():
         core = EngineCore(EngineConfig(prefill_graphs=mode, **opts))
         try:
             assert (core.prefill_graphs is not None and bool(core.prefill_graphs.graphs)) == (mode == "on")
-            outs.append(_greedy(core, ps, 16))
+            outs.append(run_greedy(core, ps, 16))
         finally:
-            _closed_cleanly(core)
+            closed_cleanly(core)
     assert outs[0] == outs[1] == outs[2]

@@ -19,32 +19,11 @@ from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.models import parallel
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.request import CoreOutput, EngineRequest, SamplingParams
+from tp_helpers import PS, closed_cleanly, run_greedy, tp_engine
 
 G32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-PS = prompts(5, 2, 40, seed=77)  # different lengths, some over a page
-
-
-def _engine(kind_or_dir: str, tp: int, **opts):
-    from mstar.runtime.engine_core import EngineCore
-    opts.setdefault("dtype", "float32")
-    opts.setdefault("device", "cpu")
-    opts.setdefault("max_model_len", 256)
-    opts.setdefault("page_size", 8)
-    path = model_dir(kind_or_dir) if kind_or_dir in ("qwen3", "qwen3.5") else kind_or_dir
-    return EngineCore(EngineConfig(model=path, tp=tp, **opts))
-
-
 def _alive(core) -> list:
     return [p for p in core.tp._procs if p.is_alive()]
-
-
-def _closed_cleanly(core) -> None:
-    procs = list(core.tp._procs)
-    core.close()
-    assert not any(p.is_alive() for p in procs)
-    assert parallel.tp_size() == 1
-    import torch.distributed as dist
-    assert not dist.is_initialized()
 
 
 @pytest.fixture(autouse=True)
@@ -56,28 +35,21 @@ def short_collective_timeout(monkeypatch):
     monkeypatch.setattr(tpmod, "COLLECTIVE_TIMEOUT", timedelta(seconds=60))
 
 
-def _greedy(core, ps, n=32, prefix="r"):
-    reqs = [EngineRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(ps)]
-    got = run_all(core, reqs)
-    return [got[f"{prefix}{i}"][0] for i in range(len(ps))]
-
-
 @pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
 def test_tp2(kind):
     """One tp=2 engine: a batch equal to tp=1 and HF, a prefix-cache hit, an abort mid-run.
     (One engine per test: a process holds one tensor-parallel group at a time.)"""
     want = [hf_greedy(kind, p, 32) for p in PS]
-    tp1 = _engine(kind, 1, max_num_seqs=8)
-    assert _greedy(tp1, PS) == want
-    core = _engine(kind, 2, max_num_seqs=8)
+    tp1 = tp_engine(kind, 1, max_num_seqs=8)
+    assert run_greedy(tp1, PS) == want
+    core = tp_engine(kind, 2, max_num_seqs=8)
     try:
         assert len(_alive(core)) == 1
-        assert _greedy(core, PS) == want
+        assert run_greedy(core, PS) == want
         _check_prefix_hit(kind, core)
         _check_abort(kind, core)
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 def _check_prefix_hit(kind, core):
@@ -86,8 +58,8 @@ def _check_prefix_hit(kind, core):
     # kept its GDN state snapshot (MSTAR_GDN_SNAPSHOTS=chunk-end: one per chunk)
     a, b = base + [7, 8, 9], base + [7, 8, 11, 12]
     before = core.cm.stats().prefix_hit_tokens
-    assert _greedy(core, [a], 12, "pa") == [hf_greedy(kind, a, 12)]
-    assert _greedy(core, [b], 12, "pb") == [hf_greedy(kind, b, 12)]
+    assert run_greedy(core, [a], 12, "pa") == [hf_greedy(kind, a, 12)]
+    assert run_greedy(core, [b], 12, "pb") == [hf_greedy(kind, b, 12)]
     assert core.cm.stats().prefix_hit_tokens - before >= 32
 
 
@@ -115,20 +87,20 @@ def _check_abort(kind, core, in_flight: bool = False):
     assert 0 < len(toks["x"]) < 30 and toks["x"] == hf_greedy(kind, PS[1], 30)[:len(toks["x"])]
     core.cm.check()
     # the engine (and the followers' caches) keep serving
-    assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
+    assert run_greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
 
 
 @pytest.mark.parametrize("mode", ["offload", "recompute"])
 def test_tp2_preemption(mode):
     # 9 pages of 8 tokens: four sequences of up to 56 tokens cannot all stay resident
-    core = _engine("qwen3.5", 2, max_num_seqs=4, num_pages=12, max_model_len=64, preemption_mode=mode)
+    core = tp_engine("qwen3.5", 2, max_num_seqs=4, num_pages=12, max_model_len=64, preemption_mode=mode)
     try:
         ps = prompts(4, 10, 24, seed=9)
-        got = _greedy(core, ps, 32, "pre")
+        got = run_greedy(core, ps, 32, "pre")
         assert core.stats()["num_preemptions"] > 0
         assert got == [hf_greedy("qwen3.5", p, 32) for p in ps]
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 def test_tp2_offline_llm_and_embedded_preset():
@@ -147,10 +119,10 @@ def test_tp2_offline_llm_and_embedded_preset():
 def test_invalid_tp_rejected():
     # the test models have 4 attention heads and 2 KV heads: tp=3 divides neither
     with pytest.raises(ValueError, match=r"tp: tensor parallel size 3 must divide num_attention_heads \(4\)"):
-        _engine("qwen3.5", 3)
+        tp_engine("qwen3.5", 3)
     # GDN heads: tiny-qwen3.5 has a single GDN key head
     with pytest.raises(ValueError, match=r"linear_num_key_heads \(1"):
-        _engine("tiny-qwen3.5", 2)
+        tp_engine("tiny-qwen3.5", 2)
     with pytest.raises(ValueError, match="tp: must be a positive integer"):
         EngineConfig(model="tiny-qwen3", tp=0)
     import torch.distributed as dist
@@ -163,16 +135,16 @@ def test_follower_error_surfaces_on_rank0(where, monkeypatch):
     monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, where, 3))
     if where == "load":
         with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at load"):
-            _engine("qwen3", 2)
+            tp_engine("qwen3", 2)
         import torch.distributed as dist
         assert not dist.is_initialized()
         return
-    core = _engine("qwen3", 2)
+    core = tp_engine("qwen3", 2)
     try:
         with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at step 3"):
-            _greedy(core, PS[:2], 8, "f")
+            run_greedy(core, PS[:2], 8, "f")
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 def test_engine_process_with_tp2():
@@ -333,13 +305,13 @@ def _tp4_dir(tmp_path_factory) -> str:
 def test_tp4_tokens_equal_tp1(tmp_path_factory):
     path = _tp4_dir(tmp_path_factory)
     ps = PS[:3]
-    want = _greedy(_engine(path, 1), ps, 16)
-    core = _engine(path, 4)
+    want = run_greedy(tp_engine(path, 1), ps, 16)
+    core = tp_engine(path, 4)
     try:
         assert len(_alive(core)) == 3
-        assert _greedy(core, ps, 16) == want
+        assert run_greedy(core, ps, 16) == want
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 # --- sharding arithmetic at 2, 4, 8 (meta tensors, no processes) -----------------------------------
@@ -414,7 +386,7 @@ def test_tp1_path_unchanged(monkeypatch):
     assert emb.weight.shape[0] == VOCAB and torch.equal(emb(ids), F.embedding(ids, emb.weight))
     assert torch.equal(m.compute_logits(x), F.linear(x, m.lm_head.weight).float())
     # and the engine at tp=1 starts no process and no group
-    core = _engine("qwen3.5", 1)
+    core = tp_engine("qwen3.5", 1)
     assert core.tp is None
     import torch.distributed as dist
     assert not dist.is_initialized()
@@ -458,16 +430,16 @@ def test_tp2_decode_graph_path(kind):
     their own buffers; tokens equal HF's, with rows padded (5 rows run at 8)."""
     ps = PS[:5]
     want = [hf_greedy(kind, p, 32) for p in ps]
-    core = _engine(kind, 2, max_num_seqs=8, decode_graphs="static")
+    core = tp_engine(kind, 2, max_num_seqs=8, decode_graphs="static")
     try:
         assert core.graphs is not None and core.overlap is None
         calls = []
         run = core.graphs.run
         core.graphs.run = lambda rows, **kw: calls.append(len(rows.decode_tokens)) or run(rows, **kw)
-        assert _greedy(core, ps) == want
+        assert run_greedy(core, ps) == want
         assert 5 in calls
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 # --- overlapped decode (async_output) at tp = 2 -------------------------------------------------------
@@ -492,7 +464,7 @@ def _abort_in_flight(core, kind) -> None:
     """Abort a request while a chained step is in flight; the engine keeps serving."""
     _check_abort(kind, core, in_flight=True)
     assert core.overlap.inflight is None
-    assert _greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
+    assert run_greedy(core, [PS[3]], 8, "after") == [hf_greedy(kind, PS[3], 8)]
 
 
 @pytest.mark.parametrize("kind", ["qwen3.5", "qwen3"])
@@ -503,13 +475,13 @@ def test_tp2_overlapped_decode(kind):
     found late, and an abort while a chained step is in flight."""
     opts = dict(max_num_seqs=8, decode_graphs="static")
     stop_tok = hf_greedy(kind, PS[2], 26)[6]
-    want = run_all(_engine(kind, 1, async_output="off", **opts), _overlap_requests(stop_tok))
+    want = run_all(tp_engine(kind, 1, async_output="off", **opts), _overlap_requests(stop_tok))
     assert want["o2"][1] == "stop" and want["o2"][0][-1] == stop_tok
-    tp1 = _engine(kind, 1, async_output="on", **opts)
+    tp1 = tp_engine(kind, 1, async_output="on", **opts)
     assert run_all(tp1, _overlap_requests(stop_tok)) == want and tp1.overlap.num_chained > 0
     got = {}
     for mode in ("off", "on"):
-        core = _engine(kind, 2, async_output=mode, **opts)
+        core = tp_engine(kind, 2, async_output=mode, **opts)
         try:
             assert (core.overlap is not None) == (mode == "on")
             got[mode] = run_all(core, _overlap_requests(stop_tok))
@@ -519,7 +491,7 @@ def test_tp2_overlapped_decode(kind):
                 core.cm.check()
                 _abort_in_flight(core, kind)
         finally:
-            _closed_cleanly(core)
+            closed_cleanly(core)
     assert got["off"] == want
     assert got["on"] == want
 
@@ -533,7 +505,7 @@ def test_tp2_follower_dies_mid_chain(how, monkeypatch):
     from mstar.runtime import tp as tpmod
     if how == "raise":
         monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, "chained", 4))
-    core = _engine("qwen3", 2, max_num_seqs=8, decode_graphs="static", async_output="on")
+    core = tp_engine("qwen3", 2, max_num_seqs=8, decode_graphs="static", async_output="on")
     try:
         for i, p in enumerate(PS[:3]):
             core.add_request(EngineRequest(f"k{i}", p, SamplingParams(max_tokens=40, temperature=0.0,
@@ -551,7 +523,7 @@ def test_tp2_follower_dies_mid_chain(how, monkeypatch):
                 for _ in range(60):
                     core.step()
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 @pytest.mark.gpu
@@ -571,9 +543,9 @@ def test_tp2_cuda_graphs_match_eager():
         try:
             assert (core.graphs is not None and bool(core.graphs.graphs)) == (graphs == "auto")
             assert (core.overlap is not None) == (graphs == "auto" and overlap == "auto")
-            outs.append(_greedy(core, ps, 16))
+            outs.append(run_greedy(core, ps, 16))
             if core.overlap is not None:
                 assert core.overlap.num_chained > 0
         finally:
-            _closed_cleanly(core)
+            closed_cleanly(core)
     assert outs[0] == outs[1] == outs[2]

@@ -87,31 +87,31 @@ def test_followers_take_rank0s_mode_not_their_environment():
     """Rank 0 reads MSTAR_TP_ALLREDUCE once and hands it to the followers. A knob set in rank
     0's process only (override, or a stale reload) must reach them: ranks that sum with different
     all-reduces never pair up (session 8: a tp=2 test hung after one that left symm_mem behind)."""
-    from tests.test_tp import _closed_cleanly, _engine
+    from tp_helpers import closed_cleanly, tp_engine
     with knobs.override(MSTAR_TP_ALLREDUCE="symm_mem"):
-        core = _engine("qwen3", 2)
+        core = tp_engine("qwen3", 2)
     try:
         # symm_mem has no effect on CPU: every rank falls back alike, and says so to rank 0
         assert core.tp._allreduce_mode == "symm_mem"
         assert core.tp.allreduce == "nccl" and core.tp.follower_allreduce == [("symm_mem", "nccl")]
     finally:
-        _closed_cleanly(core)
-    core = _engine("qwen3", 2)
+        closed_cleanly(core)
+    core = tp_engine("qwen3", 2)
     try:
         assert core.tp._allreduce_mode == "nccl" and core.tp.follower_allreduce == [("nccl", "nccl")]
     finally:
-        _closed_cleanly(core)
+        closed_cleanly(core)
 
 
 _ONE_ENGINE = r"""
 import json, sys
 from mstar.runtime.config import EngineConfig
 from mstar.runtime.engine_core import EngineCore
-from tests.test_tp import PS, _greedy
+from tp_helpers import PS, run_greedy
 core = EngineCore(EngineConfig(model=sys.argv[1], device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                                max_model_len=256))
 try:
-    print(json.dumps({"mode": core.tp.allreduce, "tokens": _greedy(core, PS, 16)}))
+    print(json.dumps({"mode": core.tp.allreduce, "tokens": run_greedy(core, PS, 16)}))
 finally:
     core.close()
 """
