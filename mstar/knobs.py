@@ -178,6 +178,9 @@ KNOBS: tuple[Knob, ...] = (
          choices=("nccl", "symm_mem", "symm_mem_norm", "auto")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
+    Knob("MSTAR_API_KEY", "str", "",
+         "The API key the server requires (Authorization: Bearer KEY) when neither --api-key nor --api-key-file "
+         "is given; unlike --api-key it does not show in the process list. Empty: no key."),
     # --- diagnostics -----------------------------------------------------------------------
     Knob("MSTAR_PHASE_TIMING", "bool", False,
          "Record per-step phase times (schedule, prepare, plan, forward, logits, sample, output, idle gap "

@@ -14,6 +14,7 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READY = re.compile(r"mstar is serving \S+ at (http://\S+) ")
+_ENGINE_PID = re.compile(r"engine (?:ready in \S+ s|restarted) \(pid (\d+)")
 
 
 class ServerProc:
@@ -75,7 +76,11 @@ class ServerProc:
 
     @property
     def engine_pid(self) -> int:
-        return int(self.get("/health").json()["engine_pid"])
+        """The pid of the engine process now serving (the server logs it at start and restart;
+        /health shows it only to a caller with the API key)."""
+        pids = _ENGINE_PID.findall(self.log_text())
+        assert pids, "no engine pid in the server log"
+        return int(pids[-1])
 
     def terminate(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

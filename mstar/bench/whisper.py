@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import _REPO, closed_loop, git_commit, percentile, report_records, table_lines
+from mstar.bench.serve import _REPO, _local_gpu, closed_loop, git_commit, percentile, report_records, table_lines
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
 
@@ -229,6 +229,7 @@ class _Launched:
 
 
 def _server_gpu(base_url: str, headers: dict) -> str | None:
+    """The server's GPU as /health reports it (only to a caller with the API key), else None."""
     import httpx
     try:
         return httpx.get(base_url.rstrip("/") + "/health", headers=headers, timeout=10).json().get("gpu")
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
         launched = _Launched(args)
         args.base_url = launched.url  # a directory is served under its path: --model works as the name
     try:
-        gpu = args.gpu or _server_gpu(args.base_url, headers) or "unknown"
+        gpu = args.gpu or _server_gpu(args.base_url, headers) or _local_gpu()
         date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         commit = git_commit()
         recs = []

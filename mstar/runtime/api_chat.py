@@ -25,28 +25,33 @@ if TYPE_CHECKING:
     from mstar.runtime.api_engine import Server
 
 
-def chat_prompt(server: Server, req: P.ChatRequest) -> list[int]:
-    """The messages rendered by the model's chat template, as token ids."""
+async def chat_prompt(server: Server, req: P.ChatRequest) -> list[int]:
+    """The messages rendered by the model's chat template (on the tokenizer threads), as token ids."""
     server.need_tokenizer("messages", "chat completions")
     tok = server.tokenizer
     if not getattr(tok, "chat_template", None):
         raise P.bad("messages", "This model has no chat template; use /v1/completions.", "no_chat_template")
-    try:
-        text = tok.apply_chat_template(req.messages, tokenize=False,
-                                       add_generation_prompt=req.add_generation_prompt,
+    # the template adds little to what the messages hold: longer messages cannot fit either
+    server.check_text_length(sum(len(m["content"]) for m in req.messages), "messages")
+
+    def render() -> str:
+        return tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
                                        **req.chat_template_kwargs)
+
+    try:
+        text = await server.in_pool(render)
     except Exception as e:  # jinja errors, raise_exception() in the template
         raise P.bad("messages", f"The chat template could not render these messages: {e}",
                     "invalid_messages") from None
-    return prompt_ids_for(server, text, req.add_special_tokens, "messages")
+    return await prompt_ids_for(server, text, req.add_special_tokens, "messages")
 
 
 async def chat_completions(server: Server, request: Request, body: dict) -> Response:
     """POST /v1/chat/completions (non-streamed: a JSON body; streamed: SSE chunks)."""
     req = P.parse_chat(body)
     model = check_model(server.settings, req.model)
-    ids = chat_prompt(server, req)
+    ids = await chat_prompt(server, req)
     check_stop_ids(server, req.sampling)
     mt = max_tokens_for(server, len(ids), req, "messages")
     params = P.build_params(req.sampling, mt, max_tokens_field=req.max_tokens_field,

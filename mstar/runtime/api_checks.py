@@ -25,10 +25,11 @@ def check_model(settings: ServerSettings, model: str | None) -> str:
     return model
 
 
-def prompt_ids_for(server: Server, p, add_special_tokens: bool, where: str) -> list[int]:
-    """A prompt (text, or token ids) as token ids, checked against the vocabulary."""
+async def prompt_ids_for(server: Server, p, add_special_tokens: bool, where: str) -> list[int]:
+    """A prompt (text, or token ids) as token ids, checked against the vocabulary (text is
+    encoded on the tokenizer threads, after a length bound)."""
     if isinstance(p, str):
-        ids = server.encode(p, add_special_tokens)
+        ids = await server.encode(p, add_special_tokens, where)
     else:
         ids = p
         V = server.vocab_size
@@ -67,3 +68,26 @@ def check_stop_ids(server: Server, sampling: dict) -> None:
         if V and t >= V:
             raise P.bad("stop_token_ids", f"Invalid 'stop_token_ids': token id {t} is out of range [0, {V}).",
                         "invalid_value")
+
+
+class PromptBudget:
+    """The prompt tokens of one request, at most --max-request-tokens together: a lower bound
+    (token ids as they are, text as characters / the longest token) is checked before anything
+    is encoded, then the exact count as each prompt is encoded."""
+
+    def __init__(self, server: Server, prompts: list, where: str):
+        self.limit = server.settings.max_request_tokens
+        self.where = where
+        self.used = 0
+        low = sum(len(p) if not isinstance(p, str) else -(-len(p) // server.max_token_chars) for p in prompts)
+        self._check(low)
+
+    def take(self, n: int) -> None:
+        self.used += n
+        self._check(self.used)
+
+    def _check(self, n: int) -> None:
+        if n > self.limit:
+            raise APIError(400, f"The request's prompts have {n} or more tokens together; this server takes at "
+                                f"most {self.limit} per request (--max-request-tokens).", param=self.where,
+                           code="request_too_large")

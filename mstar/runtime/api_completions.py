@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mstar.runtime import api_protocol as P
 from mstar.runtime.api_checks import (
+    PromptBudget,
     check_model,
     check_stop_ids,
     max_tokens_for,
@@ -28,10 +29,12 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
     """POST /v1/completions (non-streamed: a JSON body; streamed: SSE chunks)."""
     req = P.parse_completion(body)
     model = check_model(server.settings, req.model)
+    server.admission.check_size(len(req.prompts) * req.n, "prompt" if len(req.prompts) > 1 else "n")
+    budget = PromptBudget(server, req.prompts, "prompt")
     prompts, texts = [], []
-    for i, p in enumerate(req.prompts):
-        where = "prompt"
-        ids = prompt_ids_for(server, p, req.add_special_tokens, where)
+    for p in req.prompts:
+        ids = await prompt_ids_for(server, p, req.add_special_tokens, "prompt")
+        budget.take(len(ids))
         prompts.append(ids)
         texts.append(p if isinstance(p, str) else None)
     check_stop_ids(server, req.sampling)
@@ -40,6 +43,12 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
         mt = max_tokens_for(server, len(ids), req, "prompt")
         params.append(P.build_params(req.sampling, mt, max_tokens_field=req.max_tokens_field,
                                      logprobs=req.logprobs))
+    echoed = [None] * len(prompts)
+    if req.echo and server.tokenizer is not None:  # token-id prompts echoed as text, decoded off the loop
+        for pi, t in enumerate(texts):
+            if t is None:
+                echoed[pi] = await server.in_pool(lambda ids=prompts[pi]: server.tokenizer.decode(
+                    ids, skip_special_tokens=False))
     job = await start_job(server, request, "completions", prompts, params, req.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -48,10 +57,7 @@ async def completions(server: Server, request: Request, body: dict) -> Response:
 
     def echo_text(i: int) -> str:
         pi = i // req.n
-        t = texts[pi]
-        if t is not None or server.tokenizer is None:
-            return t or ""
-        return server.tokenizer.decode(prompts[pi], skip_special_tokens=False)
+        return texts[pi] if texts[pi] is not None else (echoed[pi] or "")
 
     def lp_block(st: ChoiceState, ids: list[int], lps: list, offset0: int) -> dict | None:
         if req.logprobs is None:

@@ -4,19 +4,34 @@ tokenizer, the OutputProcessor and the live sequences.
 The engine's messages arrive on a reader thread and are handed to the event loop; each
 step's outputs are detokenized here (stop strings found here abort the sequence in the
 engine at once), timed into the metrics (TTFT, ITL, end to end) and queued on their job
-(api_jobs.Job). If the engine process dies, every live sequence and every request waiting
-for admission gets a 503, and so does every later request.
+(api_jobs.Job).
+
+Supervision: if the engine process dies, every live sequence and every request waiting for
+admission gets a 503 at once, /health says so and the engine gauges go back to zero; then a new
+engine process is started (--engine-restarts times, with back-off; mstar_engine_restarts counts
+them). Once the restarts are spent, `on_fatal` is called: the server exits non-zero, so that a
+supervisor (systemd, Kubernetes) restarts it.
+
+Drain: `begin_drain` (SIGTERM) refuses new requests with a 503; what still runs when the drain
+timeout ends is failed with a 503 through its job, so each client gets an error body or, on a
+stream, an error event and [DONE].
+
+Tokenization runs on a small thread pool, never on the event loop, after a length bound checked
+before encoding: a text longer than the context times the longest token in the vocabulary cannot
+fit, so it is refused without being encoded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import contextlib
 import gc
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mstar.runtime import api_protocol as P
@@ -77,10 +92,19 @@ class Seq:
 class Server:
     """Owns the engine process handle, the tokenizer, the OutputProcessor and the live sequences."""
 
-    def __init__(self, settings: ServerSettings, engine, tokenizer, output_processor=None):
+    def __init__(self, settings: ServerSettings, engine, tokenizer, output_processor=None,
+                 make_engine: Callable[[], object] | None = None, on_fatal: Callable[[str], None] | None = None):
         self.settings = settings
         self.engine = engine
+        self.make_engine = make_engine  # a new, unstarted engine process (None: no restarts)
+        self.on_fatal = on_fatal  # the engine is gone for good: the server should exit non-zero
+        self.restarts = 0
         self.tokenizer = tokenizer
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=settings.tokenizer_threads,
+                                                          thread_name_prefix="mstar-tokenize")
+        # a token covers at most this many characters of text (the longest vocabulary entry;
+        # byte-level vocabularies spell one byte per character, and a byte is at most a character)
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
         if output_processor is None:
             from mstar.runtime.output_processor import OutputProcessor
             output_processor = OutputProcessor(tokenizer, cumulative=False)  # deltas: no O(length) copies
@@ -100,6 +124,9 @@ class Server:
         self.seqs: dict[str, Seq] = {}
         self.dead: str | None = None
         self.stopping = False
+        self.draining = False
+        self.restarting = False  # a new engine process is being started
+        self._generation = 0  # which engine process the reader's messages come from
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
@@ -108,16 +135,25 @@ class Server:
     # -- engine messages (reader thread -> event loop) ----------------------------------------
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self._read(self.engine)
+
+    def _read(self, engine) -> None:
+        """Deliver `engine`'s messages to the event loop, tagged with its generation (a message
+        of an engine replaced since is dropped)."""
+        self._generation += 1
+        gen, loop = self._generation, self.loop
 
         def on_message(msg):
             try:
-                loop.call_soon_threadsafe(self._on_message, msg)
+                loop.call_soon_threadsafe(self._on_message, msg, gen)
             except RuntimeError:  # loop closed at shutdown
                 pass
 
-        self.engine.start_reader(on_message)
+        engine.start_reader(on_message)
 
-    def _on_message(self, msg: tuple) -> None:
+    def _on_message(self, msg: tuple, gen: int | None = None) -> None:
+        if gen is not None and gen != self._generation:
+            return
         try:
             kind = msg[0]
             if kind == "step":
@@ -200,26 +236,109 @@ class Server:
         if self.dead is not None:
             return
         self.dead = why
-        logger.error("%s; answering 503 from now on", why)
         self.metrics.engine_alive.set(0)
+        self.metrics.reset_engine_gauges()
         err = APIError(503, f"The engine is not available: {why}.", code="engine_dead")
+        self.fail_live(err)
         self.admission.fail_waiters(err)
+        with contextlib.suppress(Exception):
+            self.engine.kill()  # reap it (and whatever it started)
+        left = self.settings.engine_restarts - self.restarts
+        if self.make_engine is None or left <= 0 or self.stopping:
+            logger.error("%s; no engine restarts left", why)
+            if self.on_fatal is not None:
+                self.on_fatal(why)
+            return
+        logger.error("%s; restarting it (%d restart(s) left)", why, left)
+        self.restarting = True
+        self.loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        try:
+            await self._start_new_engine()
+        finally:
+            self.restarting = False
+
+    async def _start_new_engine(self) -> None:
+        """Start a new engine process after a back-off; on failure try again while restarts are
+        left, then give up (on_fatal)."""
+        while self.restarts < self.settings.engine_restarts and not self.stopping:
+            delay = min(self.settings.restart_backoff_s * 2 ** self.restarts, 30.0)
+            self.restarts += 1
+            self.metrics.engine_restarts.inc()
+            await asyncio.sleep(delay)
+            engine = self.make_engine()
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(None, engine.start)
+                info = await loop.run_in_executor(None, engine.wait_ready, self.settings.startup_timeout_s)
+            except Exception as e:  # noqa: BLE001 -- an engine that cannot start: try again or give up
+                logger.error("the engine restart failed: %s", e)
+                with contextlib.suppress(Exception):
+                    engine.kill()
+                continue
+            if self.stopping:
+                engine.shutdown()
+                return
+            self.engine = engine
+            self._read(engine)
+            self.dead = None
+            self.admission.broken = None
+            self.metrics.engine_alive.set(1)
+            logger.info("engine restarted (pid %s, restart %d of %d)", info.get("pid"), self.restarts,
+                        self.settings.engine_restarts)
+            return
+        if not self.stopping and self.on_fatal is not None:
+            self.on_fatal(self.dead or "the engine could not be restarted")
+
+    def fail_live(self, err: APIError) -> None:
+        """Fail every live sequence with `err` (through its job: the client gets the error)."""
         for rid, seq in list(self.seqs.items()):
             seq.finished = True
+            with contextlib.suppress(Exception):
+                self.proc.abort(rid)
             seq.job.queue.put_nowait((seq.index, err))
         self.seqs.clear()
 
+    # -- drain (SIGTERM) -----------------------------------------------------------------------
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuse new requests; fail what still runs after timeout_s (a 503 each)."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("draining: %d sequence(s) in flight, %.0f s to finish", len(self.seqs), timeout_s)
+
+        def expire():
+            if not self.seqs and not self.admission.pending:
+                return
+            logger.warning("drain timeout: failing %d sequence(s) still running", len(self.seqs))
+            err = APIError(503, "The server is shutting down; the request did not finish within the "
+                                "drain timeout.", code="server_shutting_down")
+            rids = list(self.seqs)
+            self.fail_live(err)
+            self.admission.fail_waiters(err)
+            if rids and self.dead is None:
+                self.engine.abort(rids)
+
+        self.loop.call_later(timeout_s, expire)
+
     # -- submitting and aborting ---------------------------------------------------------------
-    def submit(self, job: Job, index: int, prompt_ids: list[int], params: SamplingParams,
-               arrival: float, extra: dict | None = None) -> None:
-        rid = f"{job.endpoint[:4]}-{uuid.uuid4().hex}"
-        seq = Seq(rid, index, job, len(prompt_ids), arrival)
-        job.seqs.append(seq)
-        self.seqs[rid] = seq
-        self.proc.add_request(rid, list(prompt_ids), params)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        self.engine.add(EngineRequest(rid, list(prompt_ids), params, eos_token_ids=self.eos_token_ids,
-                                      arrival_time=time.time(), **(extra or {})))
+    def submit(self, job: Job, seqs: list[tuple[int, list[int], SamplingParams, dict | None]],
+               arrival: float) -> None:
+        """Send a job's sequences, (index, prompt ids, params, extra EngineRequest fields) each,
+        to the engine in one message."""
+        reqs = []
+        now = time.time()
+        for index, prompt_ids, params, extra in seqs:
+            rid = f"{job.endpoint[:4]}-{uuid.uuid4().hex}"
+            seq = Seq(rid, index, job, len(prompt_ids), arrival)
+            job.seqs.append(seq)
+            self.seqs[rid] = seq
+            self.proc.add_request(rid, list(prompt_ids), params)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            reqs.append(EngineRequest(rid, list(prompt_ids), params, eos_token_ids=self.eos_token_ids,
+                                      arrival_time=now, **(extra or {})))
+        self.engine.add(reqs)
 
     def abort_seqs(self, rids: list[str]) -> None:
         gone = []
@@ -235,6 +354,8 @@ class Server:
             self.engine.abort(gone)
 
     def check_alive(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="server_shutting_down")
         if self.dead is not None:
             raise APIError(503, f"The engine is not available: {self.dead}.", code="engine_dead")
 
@@ -257,7 +378,21 @@ class Server:
             raise P.bad(param, f"This model has no tokenizer, so {what} cannot be used; send prompts as "
                                "token ids (and read token_ids with return_token_ids).", "no_tokenizer")
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self.need_tokenizer("prompt", "text prompts")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def check_text_length(self, n_chars: int, param: str) -> None:
+        """Refuse, before encoding, a text that cannot fit in the context: n_chars characters are
+        at least n_chars / max_token_chars tokens."""
+        limit = self.max_model_len * self.max_token_chars
+        if n_chars > limit:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; a text of "
+                                f"{n_chars} characters cannot fit (at most {limit} characters can).",
+                           param=param, code="context_length_exceeded")
+
+    async def in_pool(self, fn, *args):
+        """fn(*args) on the tokenizer threads (tokenizing a long text must not stall the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        self.need_tokenizer(param, "text prompts")
+        self.check_text_length(len(text), param)
+        ids = await self.in_pool(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return list(ids)

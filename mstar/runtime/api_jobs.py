@@ -129,7 +129,7 @@ class Job:
 
 class Admission:
     """At most `limit` sequences admitted at once; beyond it reject (503 + Retry-After) or
-    wait in FIFO order. A request larger than the limit is admitted when nothing else is."""
+    wait in FIFO order. A request of more sequences than the limit can never be admitted: a 400."""
 
     def __init__(self, limit: int, policy: str, metrics: ServerMetrics, retry_after_s: int):
         self.limit, self.policy, self.metrics, self.retry_after_s = limit, policy, metrics, retry_after_s
@@ -138,7 +138,13 @@ class Admission:
         self.broken: APIError | None = None
 
     def _fits(self, k: int) -> bool:
-        return self.pending == 0 or self.pending + k <= self.limit
+        return self.pending + k <= self.limit
+
+    def check_size(self, k: int, param: str = "n") -> None:
+        """A 400 for a request of more sequences (prompts x n) than the limit."""
+        if k > self.limit:
+            raise APIError(400, f"The request has {k} sequences (prompts x n); this server runs at most "
+                                f"{self.limit} at once (--max-pending).", param=param, code="request_too_large")
 
     def _overloaded(self) -> APIError:
         return APIError(503, f"The server is overloaded ({self.pending} sequences pending, limit {self.limit}); "
@@ -150,6 +156,7 @@ class Admission:
         self.metrics.pending.set(self.pending)
 
     async def acquire(self, k: int, request: Request) -> None:
+        self.check_size(k)
         if self.broken is not None:
             raise self.broken
         if not self._queue and self._fits(k):
@@ -301,10 +308,8 @@ async def start_job(server: Server, request: Request, endpoint: str, prompts: li
     arrival = request.state.arrival
     try:
         server.check_alive()
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                server.submit(job, i * n + j, ids, choice_params(params[i], j), arrival,
-                              extras[i] if extras else None)
+        server.submit(job, [(i * n + j, ids, choice_params(params[i], j), extras[i] if extras else None)
+                            for i, ids in enumerate(prompts) for j in range(n)], arrival)
     except BaseException as e:
         job.close("error" if not isinstance(e, APIError) or e.status >= 500 else "bad_request")
         if isinstance(e, APIError):

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mstar.runtime.request import RequestError, SamplingParams
 
@@ -69,24 +72,53 @@ def bad(param: str | None, message: str, code: str | None = None) -> APIError:
 # ---------------------------------------------------------------------------------------
 # JSON body
 
+MAX_JSON_DEPTH = 64  # nesting levels of a request body; OpenAI's shapes need fewer than 10
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def nests_too_deeply(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a JSON text nests more than `limit` levels, read without parsing it: the strings
+    cut out, then the brackets' running count (C-speed passes: milliseconds for megabytes)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # the common case: too few brackets to nest deeper
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    b = np.frombuffer(brackets, dtype=np.uint8)
+    depth = np.cumsum(np.where((b == ord("[")) | (b == ord("{")), 1, -1))
+    return bool(depth.size) and int(depth.max()) > limit
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; malformed JSON or a non-object is a 400."""
+    """Decode a request body; malformed JSON, a non-object, nesting past MAX_JSON_DEPTH and
+    strings that are not valid Unicode (a lone surrogate escape) are 400s."""
     if not raw.strip():
         raise bad(None, "The request body is empty; expected a JSON object.", "invalid_json")
+    if nests_too_deeply(raw):
+        raise bad(None, f"The JSON body nests more than {MAX_JSON_DEPTH} levels deep.", "invalid_json")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad(None, "The request body is not valid UTF-8.", "invalid_json") from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as e:  # JSONDecodeError is a ValueError
+    except RecursionError:  # unbalanced brackets the depth count cannot see as nesting
+        raise bad(None, "The JSON body nests too deeply.", "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError is a ValueError (so is an integer of over 4300 digits)
         raise bad(None, f"We could not parse the JSON body of your request: {e}", "invalid_json") from None
     if not isinstance(body, dict):
         raise bad(None, f"The request body must be a JSON object, got {_json_type(body)}.", "invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can make a lone surrogate (raw UTF-8 cannot)
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(None, "The JSON body contains a string that is not valid Unicode (a lone surrogate "
+                            "escape such as \\ud800).", "invalid_json") from None
     return body
 
 
@@ -142,9 +174,13 @@ def _num(body: dict, name: str, default: Any = None) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"Invalid type for '{name}': expected a number, but got {_json_type(v)} instead.",
                   "invalid_type")
-    if not math.isfinite(v):
-        raise bad(name, f"Invalid '{name}': expected a finite number, but got {v}.", "invalid_value")
-    return float(v)
+    try:
+        f = float(v)  # an integer past float's range (10**400) raises here
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad(name, f"Invalid '{name}': expected a finite number.", "invalid_value")
+    return f
 
 
 def _bool(body: dict, name: str, default: Any = None) -> Any:
@@ -255,12 +291,18 @@ def _parse_common(body: dict, *, max_tokens_default: int | None, chat: bool) -> 
         raise bad("stop", "Invalid type for 'stop': expected a string or an array of strings.", "invalid_type")
     if any(s == "" for s in stop):
         raise bad("stop", "Invalid 'stop': stop strings must not be empty.", "invalid_value")
+    if len(stop) > SamplingParams.MAX_STOP or any(len(s) > SamplingParams.MAX_STOP_CHARS for s in stop):
+        raise bad("stop", f"Invalid 'stop': at most {SamplingParams.MAX_STOP} stop strings of at most "
+                          f"{SamplingParams.MAX_STOP_CHARS} characters each.", "invalid_value")
 
     stop_token_ids = _get(body, "stop_token_ids", [])
     if not isinstance(stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
         raise bad("stop_token_ids", "Invalid type for 'stop_token_ids': expected an array of integers.",
                   "invalid_type")
+    if len(stop_token_ids) > SamplingParams.MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"Invalid 'stop_token_ids': at most {SamplingParams.MAX_STOP_TOKEN_IDS} "
+                                    "ids.", "invalid_value")
 
     logit_bias = _obj(body, "logit_bias")
     if logit_bias:
@@ -271,7 +313,7 @@ def _parse_common(body: dict, *, max_tokens_default: int | None, chat: bool) -> 
     if seed is not None:
         seed %= MAX_SEED
 
-    top_k = _int(body, "top_k", 0)
+    top_k = _int(body, "top_k", 0, lo=-1, hi=SamplingParams.MAX_TOP_K)
     sp = dict(
         n=1,  # the server fans n out into n engine requests (one per choice)
         temperature=_num(body, "temperature", 1.0),

@@ -10,7 +10,13 @@ not (its pages are freed on the engine's next loop turn).
 Every error is OpenAI's error body with the right status (see api_protocol.py); an
 unexpected exception is logged and answered with a 500 in the same schema, never a
 dropped connection. If the engine process dies, in-flight requests get a 503 error (an
-error event on a stream), new ones a 503, and /health says so.
+error event on a stream), new ones a 503 while a new engine starts, and /health says so
+(api_engine.py: supervision).
+
+Browser and network surface: JSON routes take only `application/json` bodies (415 otherwise,
+so a page on another origin cannot post one as a "simple" cross-origin request); every
+response carries `X-Content-Type-Options: nosniff`; a body must keep arriving (a gap of
+`body_timeout_s` is a 408); /health shows the engine's internals only to an authorised caller.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), GET /version, POST /tokenize and /detokenize (vLLM's shapes).
@@ -64,11 +70,17 @@ class ServerSettings:
     model: str = "tiny-qwen3.5"
     served_model_names: list[str] = field(default_factory=lambda: ["tiny-qwen3.5"])
     api_key: str | None = None
-    max_pending: int = 1024  # sequences admitted and not yet finished
+    max_pending: int = 1024  # sequences admitted and not yet finished; a request of more is a 400
+    max_request_tokens: int = 1 << 20  # prompt tokens of one request, all its prompts together
     overload_policy: str = "reject"  # "reject" (503 + Retry-After) | "wait"
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout_s: float = 30.0  # longest gap between two parts of a request body (408 past it)
     retry_after_s: int = 1
     max_audio_seconds: float = 1800.0  # /v1/audio/transcriptions: longer audio is a 400
+    engine_restarts: int = 3  # engine processes started after one dies, before the server exits
+    restart_backoff_s: float = 1.0  # before the first restart; doubled for each next one
+    startup_timeout_s: float = 1800.0  # an engine (re)start that takes longer failed
+    tokenizer_threads: int = 4
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -81,19 +93,46 @@ def error_response(e: APIError) -> JSONResponse:
 _AUDIO_ENDPOINTS = ("transcriptions", "translations")  # Whisper: multipart forms
 
 
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
 class _App(FastAPI):
     """FastAPI that leaves the server's own `send` in the scope (api_sse.RAW_SEND), so that a
     stream's body chunks skip the middleware wrappers around it: one call per chunk instead of
-    four (streamed tokens are the server's hottest path)."""
+    four (streamed tokens are the server's hottest path). Every response start gets `nosniff`."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             scope[RAW_SEND] = send
+
+            async def send_nosniff(message):
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), _NOSNIFF]
+                await send(message)
+
+            await super().__call__(scope, receive, send_nosniff)
+            return
         await super().__call__(scope, receive, send)
 
 
-def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None) -> FastAPI:
-    server = Server(settings, engine, tokenizer, output_processor)
+def _json_content_type(request: Request) -> None:
+    """A 415 unless the body is declared JSON (or not declared at all: curl and some clients send
+    none; a browser's cross-origin "simple" request always declares text/plain or a form)."""
+    ct = request.headers.get("content-type")
+    if ct is None:
+        return
+    media = ct.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, f"Unsupported Content-Type {ct!r}: send the body as application/json.",
+                   code="unsupported_media_type")
+
+
+def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None, make_engine=None,
+              on_fatal=None) -> FastAPI:
+    """The app. `make_engine()` builds a new (unstarted) engine process when the running one dies;
+    `on_fatal(why)` is called once no restart is left (the caller exits non-zero)."""
+    server = Server(settings, engine, tokenizer, output_processor, make_engine=make_engine, on_fatal=on_fatal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,9 +141,12 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         yield
         logger.info("stopping the engine")
         server.stopping = True
-        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown)
+        server.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = _App(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # no slash redirects: a 307 to a route that then wants a body surprises clients; a 404 says it
+    app = _App(title="mstar", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+               redirect_slashes=False)
     app.state.server = server
 
     @app.exception_handler(StarletteHTTPException)
@@ -120,6 +162,14 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         return error_response(APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error"))
 
     # -- helpers ------------------------------------------------------------------------------
+    def authorised(request: Request) -> bool:
+        """A valid API key came with the request (False when the server has none)."""
+        try:
+            check_auth(request)
+        except APIError:
+            return False
+        return bool(settings.api_key)
+
     def check_auth(request: Request) -> None:
         key = settings.api_key
         if not key:
@@ -133,6 +183,7 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_body(request: Request) -> dict:
+        _json_content_type(request)
         return P.parse_json_body(await read_raw(request))
 
     async def read_raw(request: Request) -> bytes:
@@ -146,7 +197,15 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
             except ValueError:
                 raise APIError(400, "Invalid Content-Length header.") from None
         buf = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), settings.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"The request body stopped arriving for {settings.body_timeout_s:g} s.",
+                               code="request_timeout", headers={"Connection": "close"}) from None
             buf += chunk
             if len(buf) > limit:
                 raise APIError(413, f"The request body exceeds the limit of {limit} bytes.",
@@ -187,10 +246,10 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
                            code="unsupported_endpoint")
 
     async def simple(request: Request, fn):
-        """Auth + body + errors for the small endpoints; `fn(server, body)` makes the response."""
+        """Auth + body + errors for the small endpoints; `await fn(server, body)` makes the response."""
         try:
             check_auth(request)
-            return JSONResponse(fn(server, await read_body(request)))
+            return JSONResponse(await fn(server, await read_body(request)))
         except APIError as e:
             return error_response(e)
 
@@ -231,12 +290,21 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
         return await simple(request, detokenize)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        """200 while the engine serves; 503 while it is down (restarting) or the server drains.
+        The engine's internals only with a valid API key."""
         if server.dead is not None:
-            return JSONResponse({"status": "error", "engine": "dead", "message": server.dead}, status_code=503)
-        return JSONResponse({"status": "ok", "engine": "alive", "engine_pid": engine.pid,
-                             "device": engine.info.get("device"), "gpu": engine.info.get("gpu"),
-                             "pending": server.admission.pending})
+            body = {"status": "error", "engine": "restarting" if server.restarting else "dead"}
+        elif server.draining:
+            body = {"status": "error", "engine": "alive", "draining": True}
+        else:
+            body = {"status": "ok", "engine": "alive"}
+        if authorised(request):
+            eng = server.engine
+            body.update(engine_pid=eng.pid, device=eng.info.get("device"), gpu=eng.info.get("gpu"),
+                        pending=server.admission.pending, engine_restarts=server.restarts,
+                        message=server.dead)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():

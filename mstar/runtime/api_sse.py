@@ -18,9 +18,11 @@ logger = logging.getLogger("mstar.server")
 
 SSE_DONE = "data: [DONE]\n\n"
 
-# json.dumps(obj, ensure_ascii=False, separators=...) builds a new encoder per call; one
-# encoder built once gives the same text
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# Event data is ASCII-only JSON: a raw U+2028 / U+2029 / U+0085 in a `data:` line ends the line
+# for line-based SSE readers (they split on Unicode line breaks), so every non-ASCII character
+# travels as a \u escape. NaN and infinities are refused (they are not JSON). One encoder built
+# once (json.dumps builds a new one per call with these options).
+_ENCODE = json.JSONEncoder(ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode
 _NO_USAGE = object()
 
 
@@ -96,6 +98,10 @@ class SSEResponse(StreamingResponse):
                     except APIError as e:
                         outcome = "error" if e.status >= 500 else "bad_request"
                         tail = sse_event(e.body()) + SSE_DONE
+                    except Exception as e:  # a bug while building a chunk: the client still gets an ending
+                        logger.exception("stream failed")
+                        tail = sse_event(APIError(500, f"Internal server error: {type(e).__name__}",
+                                                  code="internal_error").body()) + SSE_DONE
                     job.close(outcome)
                     await body_send(_body(tail))
                 except asyncio.CancelledError:

@@ -359,11 +359,18 @@ class EngineCore:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(eos)
+        if any(t < 0 or t >= self.vocab_size for t in (*sup, *begin)):
+            raise RequestError("suppress_token_ids", f"ids must be in [0, {self.vocab_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        try:  # the sampler's row, built now: a value its tables cannot hold fails this request, not a step
+            values = self.sampler.row_values(params, int(seed))
+        except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+            raise RequestError("params", f"cannot be represented: {e}") from None
         self._arrivals += 1
         seq = Sequence(request_id=rid, token_ids=prompt, num_prompt_tokens=n, params=params,
                        stop_ids=frozenset(stop), seed=int(seed), max_len=self.max_model_len,
-                       arrival=self._arrivals, audio=audio, suppress_ids=sup, begin_suppress_ids=begin)
+                       arrival=self._arrivals, audio=audio, suppress_ids=sup, begin_suppress_ids=begin,
+                       sampler_values=values)
         self._seqs[rid] = seq
         self._t_added[rid] = time.monotonic()
         self.scheduler.add(seq)
@@ -447,7 +454,7 @@ class EngineCore:
         for seq in sched.admitted:
             if seq.sampler_row < 0:
                 seq.sampler_row = self.sampler.add(seq.params, seq.seed, seq.token_ids[:seq.num_prompt_tokens],
-                                                   seq.output_ids)
+                                                   seq.output_ids, seq.sampler_values)
                 if seq.suppress_ids:
                     self.token_masks.set(seq.sampler_row, seq.suppress_ids)
         if self.has_cross and sched.admitted:

@@ -2,7 +2,7 @@
 the step loop.
 
     API process                                   engine process (spawned)
-    EngineProcess.add(EngineRequest)  --in_q-->   drain commands (add / abort / shutdown)
+    EngineProcess.add([EngineRequest]) --in_q-->  drain commands (add / abort / shutdown; aborts first)
     EngineProcess.abort([ids])        --in_q-->   EngineCore.step() while work is left
     reader thread -> on_message(msg)  <--out_q--  ("step", outputs, errors, stats)
 
@@ -175,26 +175,28 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
                 return
 
         errors = []
-        stop = False
+        if any(cmd[0] == "shutdown" for cmd in cmds):
+            break
+        # aborts first: a request aborted while its add still waited in the queue is never added,
+        # and an abort never waits behind the adds queued before it
+        aborted = {rid for cmd in cmds if cmd[0] == "abort" for rid in cmd[1]}
         for cmd in cmds:
-            kind = cmd[0]
-            if kind == "add":
-                req = cmd[1]
+            if cmd[0] != "add":
+                continue
+            for req in cmd[1]:
+                if req.request_id in aborted:
+                    continue
                 try:
                     engine.add_request(req)
                 except RequestError as e:
                     errors.append((req.request_id, e.field, e.message))
                 except Exception as e:  # a bad request must not kill the engine
                     errors.append((req.request_id, None, f"{type(e).__name__}: {e}"))
-            elif kind == "abort":
-                try:
-                    engine.abort(cmd[1])
-                except Exception:
-                    logger.exception("abort failed")
-            elif kind == "shutdown":
-                stop = True
-        if stop:
-            break
+        if aborted:
+            try:
+                engine.abort(list(aborted))
+            except Exception:
+                logger.exception("abort failed")
         if pt is not None and t_drain:
             pt.note_loop(drain_ns=clock() - t_drain)
 
@@ -353,8 +355,9 @@ class EngineProcess:
         return self._proc.exitcode
 
     # -- commands ---------------------------------------------------------------------------
-    def add(self, req: Any) -> None:
-        self._in_q.put(("add", req))
+    def add(self, reqs: Any) -> None:
+        """Queue one EngineRequest, or a list of them as one message."""
+        self._in_q.put(("add", reqs if isinstance(reqs, list) else [reqs]))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -61,18 +61,28 @@ class ServerMetrics:
         self.pending = Gauge("mstar_num_requests_pending", "Sequences admitted by the API and not yet finished "
                              "(the quantity --max-pending limits).", registry=r)
         self.engine_alive = Gauge("mstar_engine_alive", "1 while the engine process is alive.", registry=r)
+        self.engine_restarts = Counter("mstar_engine_restarts", "Engine processes started after one died.",
+                                       registry=r)
         self._engine = {k: Gauge(name, help, registry=r) for k, (name, help) in _ENGINE_GAUGES.items()}
         self.engine_other = Gauge("mstar_engine_stat", "Other numeric engine statistics, by name.", ["name"],
                                   registry=r)
-        for g in self._engine.values():
-            if g is not self._engine["peak_gpu_mem_bytes"]:
-                g.set(0)
+        self.last_stats: dict[str, Any] = {}
+        self.reset_engine_gauges()
         for outcome in ("success", "aborted", "bad_request", "rejected", "error"):
             for ep in ("completions", "chat"):
                 self.requests.labels(ep, outcome)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
-        self.last_stats: dict[str, Any] = {}
+
+    def reset_engine_gauges(self) -> None:
+        """Every engine gauge back to zero (at start, and when the engine process dies: a dead
+        engine runs nothing and holds no page)."""
+        for g in self._engine.values():
+            g.set(0)
+        for name, v in self.last_stats.items():
+            if name not in self._engine and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.engine_other.labels(name).set(0)
+        self.last_stats = {}
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         self.last_stats = stats

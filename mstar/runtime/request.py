@@ -11,6 +11,7 @@ step loop never detokenizes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -45,6 +46,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
+    # Every value must fit the engine's per-row tensors (int64 seeds, int32 token ids and
+    # top_k, float32 temperatures and penalties) and keep the sampling arithmetic finite:
+    # a value outside these ranges is refused here, before it can reach a shared step.
+    MAX_TOP_K = 2 ** 31 - 1  # a top_k beyond the vocabulary keeps every token (the same as off)
+    MAX_TOKENS = 2 ** 31 - 1
+    MAX_TEMPERATURE = 100.0  # logits / 100 is already a near-uniform distribution
+    MIN_TEMPERATURE = 1e-5  # smaller positive temperatures sample greedily (logits / t overflows float32)
+    PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty; beyond it logits * or / it leave float32's range
+    MAX_STOP = 64
+    MAX_STOP_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 1024
+    SEED_RANGE = (-(2 ** 63), 2 ** 64)  # [lo, hi): the engine keeps seed mod 2**63
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -58,45 +71,63 @@ class SamplingParams:
         return p
 
     def validate(self) -> "SamplingParams":
+        """Check every field's type and range (RequestError naming the field); a positive
+        temperature below MIN_TEMPERATURE becomes 0 (greedy)."""
         def num(name, v, kind=(int, float)):
             if isinstance(v, bool) or not isinstance(v, kind):
                 raise RequestError(name, f"must be a number, got {type(v).__name__}")
+            if kind is not int:
+                try:
+                    ok = math.isfinite(v)
+                except OverflowError:  # an int past float's range
+                    ok = False
+                if not ok:
+                    raise RequestError(name, "must be a finite number")
+
+        def in_range(name, v, lo, hi, what):
+            if not (lo <= v <= hi):
+                raise RequestError(name, f"must be {what}, got {v}")
 
         num("max_tokens", self.max_tokens, int)
-        if self.max_tokens < 1:
-            raise RequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        in_range("max_tokens", self.max_tokens, 1, self.MAX_TOKENS, f"in [1, {self.MAX_TOKENS}]")
         num("temperature", self.temperature)
-        if not self.temperature >= 0:
-            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        in_range("temperature", self.temperature, 0, self.MAX_TEMPERATURE, f"in [0, {self.MAX_TEMPERATURE:g}]")
+        if 0 < self.temperature < self.MIN_TEMPERATURE:
+            self.temperature = 0.0
         num("top_p", self.top_p)
         if not (0 < self.top_p <= 1):
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         num("top_k", self.top_k, int)
-        if self.top_k < -1:
-            raise RequestError("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        in_range("top_k", self.top_k, -1, self.MAX_TOP_K, f"-1, 0 (off) or in [1, {self.MAX_TOP_K}]")
         num("min_p", self.min_p)
-        if not (0 <= self.min_p <= 1):
-            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        in_range("min_p", self.min_p, 0, 1, "in [0, 1]")
         if self.seed is not None:
             num("seed", self.seed, int)
+            lo, hi = self.SEED_RANGE
+            if not (lo <= self.seed < hi):
+                raise RequestError("seed", f"must be in [-2**63, 2**64), got {self.seed}")
         num("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
-            raise RequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        lo, hi = self.PENALTY_RANGE
+        in_range("repetition_penalty", self.repetition_penalty, lo, hi, f"in [{lo:g}, {hi:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             num(name, v)
-            if not (-2 <= v <= 2):
-                raise RequestError(name, f"must be in [-2, 2], got {v}")
+            in_range(name, v, -2, 2, "in [-2, 2]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise RequestError("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop):
             raise RequestError("stop", "stop strings must not be empty")
+        if len(self.stop) > self.MAX_STOP or any(len(s) > self.MAX_STOP_CHARS for s in self.stop):
+            raise RequestError("stop", f"at most {self.MAX_STOP} strings of at most {self.MAX_STOP_CHARS} "
+                                       "characters each")
         self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError("stop_token_ids", "must be a list of non-negative integers")
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 31 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids", "must be a list of token ids (integers in [0, 2**31))")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise RequestError("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} ids")
         self.stop_token_ids = list(self.stop_token_ids)
         num("min_tokens", self.min_tokens, int)
         if not (0 <= self.min_tokens <= self.max_tokens):

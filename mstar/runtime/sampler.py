@@ -41,6 +41,8 @@ from mstar import knobs, ops
 from mstar.ops import sampling
 from mstar.runtime.request import SamplingParams, TokenLogprobs
 
+LOGPROB_FLOOR = -9999.0  # what a logprob of -inf or NaN is reported as
+
 # columns of the float parameter table
 _T, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(6)
 # columns of the int parameter table
@@ -78,12 +80,21 @@ class Sampler:
     def num_free(self) -> int:
         return len(self._free)
 
-    def add(self, params: SamplingParams, seed: int, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """Take a row for a sequence and write its parameters; returns the row."""
-        row = self._free.pop()
+    @staticmethod
+    def row_values(params: SamplingParams, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's float and int parameters as host tensors. The engine builds them when a request
+        is added, so a value the tables cannot hold fails that request there, never a step."""
         fp = torch.tensor([params.temperature, params.top_p, params.min_p, params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty], dtype=torch.float32)
         ip = torch.tensor([params.top_k, seed & 0x7FFFFFFFFFFFFFFF], dtype=torch.int64)
+        return fp, ip
+
+    def add(self, params: SamplingParams, seed: int, prompt_ids: list[int], output_ids: list[int],
+            values: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Take a row for a sequence and write its parameters (`values`: row_values(params, seed),
+        built beforehand); returns the row."""
+        fp, ip = values if values is not None else self.row_values(params, seed)
+        row = self._free.pop()
         self.fparams[:, row] = fp.to(self.device, non_blocking=True)
         self.iparams[:, row] = ip.to(self.device, non_blocking=True)
         pen = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
@@ -213,9 +224,11 @@ class Sampler:
 
         lps = None
         if n_top >= 0:
-            lp_l = tok_lp.tolist()
+            # -inf (a masked token) and NaN (arithmetic that left float32) as OpenAI's -9999.0:
+            # JSON has no infinities, and no response may carry a NaN
+            lp_l = torch.nan_to_num(tok_lp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).tolist()
             ids_l = top_ids.tolist()
-            tlp_l = top_lp.tolist()
+            tlp_l = torch.nan_to_num(top_lp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).tolist()
             lps = []
             for b in range(B):
                 n = int(nlp[b])

@@ -66,6 +66,7 @@ class Sequence:
     in_cache: bool = False  # the cache manager holds something for it (slot, pages, offload)
     offloaded: bool = False
     sampler_row: int = -1
+    sampler_values: Any = None  # Sampler.row_values, built when the request is added
     # encoder-decoder models: the encoder input (re-encoded at every admission) and the
     # token-suppression lists (every step / first generated token)
     audio: Any = None

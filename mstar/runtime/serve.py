@@ -11,7 +11,12 @@ the HTTP front end, the tokenizer and the detokenizer (api_server.py).
          -d '{"prompt": "Hello", "max_tokens": 16}'
 
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish (up to
---drain-timeout seconds), stop the engine, exit 0. A second Ctrl-C forces the exit.
+--drain-timeout seconds; what is still running then gets a 503 error body, or an error event
+and [DONE] on a stream), stop the engine, exit 0. A second Ctrl-C forces the exit.
+
+If the engine process dies, its requests fail at once with a 503 and a new engine is started
+(--engine-restarts times, with back-off); once the restarts are spent the server exits with
+code 1, so that a supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
     return v
 
 
@@ -136,10 +148,17 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="TCP port to listen on (0: any free port; the URL is logged when ready).")
     s.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 otherwise); "
-                        "/health and /metrics stay open. Off when not given.")
+                        "/health and /metrics stay open (/health shows the engine's internals only with the key). "
+                        "A key on the command line shows in the process list: prefer --api-key-file or "
+                        "MSTAR_API_KEY. Off when none of the three is given.")
+    s.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="Read the API key from this file (its first line).")
     s.add_argument("--max-pending", type=_positive_int, default=1024,
                    help="Overload limit: most sequences (prompts x n) admitted and not yet finished; beyond it "
-                        "--overload-policy applies.")
+                        "--overload-policy applies. A request of more sequences than this is a 400.")
+    s.add_argument("--max-request-tokens", type=_positive_int, default=1 << 20,
+                   help="Most prompt tokens in one request (all its prompts together); more is a 400, found "
+                        "before the request is admitted.")
     s.add_argument("--overload-policy", default="reject", choices=["reject", "wait"],
                    help="Beyond --max-pending: reject answers 503 with a Retry-After header; wait holds the "
                         "request until there is room (or the client goes away).")
@@ -147,8 +166,19 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                    help="Largest request body accepted (bytes); larger ones get 413.")
     s.add_argument("--max-audio-seconds", type=float, default=1800.0,
                    help="Longest audio accepted by /v1/audio/transcriptions (Whisper models); longer is a 400.")
-    s.add_argument("--drain-timeout", type=float, default=300.0,
-                   help="On SIGTERM, seconds to let in-flight requests finish before cancelling them.")
+    s.add_argument("--drain-timeout", type=_positive_float, default=300.0,
+                   help="On SIGTERM, seconds to let in-flight requests finish; then each gets a 503 (an error "
+                        "event and [DONE] on a stream).")
+    s.add_argument("--engine-restarts", type=_nonneg_int, default=3,
+                   help="Engine processes started after one dies (1 s back-off, doubled each time); then the "
+                        "server exits with code 1. 0: exit at the first death.")
+    s.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
+                   help="Seconds an idle keep-alive connection stays open between requests.")
+    s.add_argument("--timeout-header", type=_positive_float, default=10.0,
+                   help="Seconds a connection may take to send a request's line and headers (slow or silent "
+                        "clients are closed).")
+    s.add_argument("--timeout-body", type=_positive_float, default=30.0,
+                   help="Longest gap, in seconds, while a request body arrives (408 past it).")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
                    help="Log level (default: MSTAR_LOG_LEVEL, else info).")
     s.add_argument("--no-access-log", action="store_true", help="Do not log one line per HTTP request.")
@@ -157,6 +187,24 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
 
 def parse_args(argv=None, prog: str = "python -m mstar.runtime.serve") -> argparse.Namespace:
     return build_parser(prog).parse_args(argv)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else MSTAR_API_KEY; None: no key.
+    ValueError for a file that cannot be read or holds no key."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+        return key
+    from mstar import knobs
+    return knobs.value("MSTAR_API_KEY") or None
 
 
 def engine_config(args: argparse.Namespace):
@@ -223,8 +271,9 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
         return 1
     try:
         config = engine_config(args)
+        key = api_key(args)
     except ValueError as e:
-        logger.error("bad engine option: %s", e)
+        logger.error("bad option: %s", e)
         return 2
     if args.port:  # fail fast, before loading a model, when the port is taken
         try:
@@ -257,28 +306,50 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
         raise
     logger.info("engine ready in %.1f s (pid %s, max_model_len %s%s)", time.monotonic() - t0, info.get("pid"),
                 info.get("max_model_len"), f", device {info['device']}" if "device" in info else "")
+    holder = {"engine": engine}
+
+    def make_engine():
+        holder["engine"] = EngineProcess(config, factory=args.engine_factory)
+        return holder["engine"]
+
     try:
-        return _serve(args, engine, tokenizer, t0)
+        return _serve(args, engine, tokenizer, t0, key, make_engine)
     finally:
-        engine.shutdown()
+        holder["engine"].shutdown()
 
 
-def _serve(args, engine, tokenizer, t0: float) -> int:
+def _serve(args, engine, tokenizer, t0: float, key: str | None, make_engine) -> int:
     import uvicorn
 
     from mstar.runtime.api_server import ServerSettings, build_app
+    from mstar.runtime.http_timeouts import timed_protocol
 
     names = args.served_model_name or [args.model]
-    settings = ServerSettings(model=args.model, served_model_names=names, api_key=args.api_key,
-                              max_pending=args.max_pending, overload_policy=args.overload_policy,
-                              max_body_bytes=args.max_body_bytes, max_audio_seconds=args.max_audio_seconds)
-    app = build_app(settings, engine, tokenizer)
+    settings = ServerSettings(model=args.model, served_model_names=names, api_key=key,
+                              max_pending=args.max_pending, max_request_tokens=args.max_request_tokens,
+                              overload_policy=args.overload_policy, max_body_bytes=args.max_body_bytes,
+                              body_timeout_s=args.timeout_body, max_audio_seconds=args.max_audio_seconds,
+                              engine_restarts=args.engine_restarts, startup_timeout_s=args.startup_timeout)
+    fatal: dict[str, str] = {}
+
+    def on_fatal(why: str) -> None:  # the engine is gone for good: exit non-zero
+        fatal["why"] = why
+        server.should_exit = True
+
+    app = build_app(settings, engine, tokenizer, make_engine=make_engine, on_fatal=on_fatal)
+    # the drain (api_engine.Server.begin_drain) ends what still runs at --drain-timeout; uvicorn's
+    # own timeout, a little later, only catches what that could not end
     uconfig = uvicorn.Config(app, host=args.host, port=args.port, log_level=(args.log_level or "info"),
-                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.drain_timeout,
-                            lifespan="on", timeout_keep_alive=5)
+                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.drain_timeout + 5,
+                             lifespan="on", timeout_keep_alive=args.timeout_keep_alive,
+                             http=timed_protocol(args.timeout_header))
     stop_early = {"flag": False}
 
     class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            app.state.server.begin_drain(args.drain_timeout)
+            await super().shutdown(sockets)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             host, port = args.host, args.port
@@ -307,6 +378,9 @@ def _serve(args, engine, tokenizer, t0: float) -> int:
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         code = 0
+    if fatal:
+        logger.error("exiting: %s, and no engine restart is left", fatal["why"])
+        return 1
     if code == 0:
         logger.info("shut down cleanly")
     return code

@@ -157,6 +157,8 @@ async def transcribe(server, request, form, task: str = "transcribe"):
     ignore_eos = _bool(form, "ignore_eos")
     language = (_text(form, "language") or "").strip() or None
     prompt = _text(form, "prompt") or None
+    if prompt is not None:  # Whisper reads at most the last 448 tokens of it, within this many characters
+        prompt = prompt[-448 * server.max_token_chars:]
 
     t0 = request.state.arrival
     data = await upload.read()
