@@ -1,19 +1,58 @@
-"""The `mstar` console script.
+"""The `mstar` console script: one entry point for the server and the tools.
 
-    mstar serve [flags]        the OpenAI-compatible server (same flags as python -m mstar.runtime.serve)
-    mstar bench-serve [flags]  the serving benchmark (same flags as python -m mstar.bench.serve)
+    mstar serve [MODEL] [flags]   the OpenAI-compatible server (python -m mstar.runtime.serve)
+    mstar models ...              presets, configs, memory plans (python -m mstar.models)
+    mstar ops                     the ops, their backends and what loaded (python -m mstar.ops)
+    mstar cache ...               the on-disk kernel caches (python -m mstar.ops.cache)
+    mstar knobs ...               the MSTAR_* knobs (python -m mstar.runtime.knobs)
+    mstar bench NAME ...          benchmarks: serve, whisper, offline, gate, gate-model
+    mstar --version
 """
 
 from __future__ import annotations
 
+import runpy
 import sys
+
+# command -> the module whose `python -m` it stands for
+_TOOLS = {
+    "models": "mstar.models",
+    "ops": "mstar.ops",
+    "cache": "mstar.ops.cache",
+    "knobs": "mstar.runtime.knobs",
+}
+_BENCHES = {
+    "serve": "mstar.bench.serve",
+    "whisper": "mstar.bench.whisper",
+    "offline": "mstar.bench.offline",
+    "gate": "mstar.bench.gate",
+    "gate-model": "mstar.bench.gate_model",
+}
 
 _USAGE = """usage: mstar <command> [flags]
 
 commands:
-  serve        serve a model over an OpenAI-compatible HTTP API (mstar serve --help)
-  bench-serve  benchmark an OpenAI-compatible server or HF generate (mstar bench-serve --help)
+  serve [MODEL]  serve a model over an OpenAI-compatible HTTP API (mstar serve --help)
+  models         list presets, show a model's config, layers and per-GPU memory plan
+  ops            the ops, their backends and the selection per device
+  cache          build, list, export, import and clear the kernel caches
+  knobs          the MSTAR_* settings, their defaults and meanings
+  bench NAME     benchmarks: serve (an OpenAI server or HF generate), whisper, offline, gate, gate-model
+  --version      print mstar's version
 """
+
+
+def _run_module(module: str, prog: str, argv: list[str]) -> int:
+    """`python -m module argv...`, in this process; its exit status."""
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
 
 
 def main(argv=None) -> int:
@@ -22,12 +61,22 @@ def main(argv=None) -> int:
         print(_USAGE, end="")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("--version", "-V", "version"):
+        import mstar
+        print(f"mstar {mstar.__version__}")
+        return 0
     if cmd == "serve":
         from mstar.runtime.serve import main as serve_main
         return serve_main(rest, prog="mstar serve")
-    if cmd in ("bench-serve", "bench_serve"):
-        from mstar.bench.serve import main as bench_main
-        return bench_main(rest)
+    if cmd in ("bench-serve", "bench_serve"):  # the older spelling of `mstar bench serve`
+        cmd, rest = "bench", ["serve", *rest]
+    if cmd == "bench":
+        if not rest or rest[0] not in _BENCHES:
+            print(f"usage: mstar bench {{{','.join(_BENCHES)}}} [flags]", file=sys.stderr)
+            return 2
+        return _run_module(_BENCHES[rest[0]], f"mstar bench {rest[0]}", rest[1:])
+    if cmd in _TOOLS:
+        return _run_module(_TOOLS[cmd], f"mstar {cmd}", rest)
     print(f"mstar: unknown command {cmd!r}\n\n{_USAGE}", end="", file=sys.stderr)
     return 2
 

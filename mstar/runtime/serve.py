@@ -6,7 +6,7 @@ otherwise. The engine runs in its own process (engine_process.py); this process 
 the HTTP front end, the tokenizer and the detokenizer (api_server.py).
 
     python -m mstar.runtime.serve                                   # tiny default, CPU or GPU
-    python -m mstar.runtime.serve --model qwen3.5-0.8b --random-weights --port 8000
+    python -m mstar.runtime.serve qwen3.5-0.8b --random-weights --port 8000    # or: mstar serve ...
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "Hello", "max_tokens": 16}'
 
@@ -63,11 +63,13 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
                     "/v1/models, /health, /metrics). With no arguments: the embedded tiny Qwen3.5 on "
                     "http://127.0.0.1:8000.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="The model to serve, as --model (which names it the other way).")
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="tiny-qwen3.5",
+    m.add_argument("--model", default=None,
                    help="A model directory (HF layout: config.json, *.safetensors, tokenizer files) or a preset "
-                        "name (e.g. tiny-qwen3.5, qwen3.5-0.8b). Presets without local weights need "
-                        "--random-weights (the tiny default is built in).")
+                        "name (e.g. tiny-qwen3.5, qwen3.5-0.8b); default: tiny-qwen3.5. Presets without local "
+                        "weights need --random-weights (the tiny default is built in).")
     m.add_argument("--random-weights", action="store_true",
                    help="Initialise the weights randomly from the model's config instead of loading them "
                         "(benchmarks at the real shapes without a checkpoint).")
@@ -185,8 +187,17 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     return p
 
 
+DEFAULT_MODEL = "tiny-qwen3.5"
+
+
 def parse_args(argv=None, prog: str = "python -m mstar.runtime.serve") -> argparse.Namespace:
-    return build_parser(prog).parse_args(argv)
+    """The flags; MODEL (positional, as vLLM and SGLang take it) and --model are one setting."""
+    p = build_parser(prog)
+    args = p.parse_args(argv)
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        p.error(f"MODEL {args.model_arg!r} and --model {args.model!r} disagree: give one")
+    args.model = args.model_arg or args.model or DEFAULT_MODEL
+    return args
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -270,8 +281,11 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
         logger.error("the HTTP server cannot start: %s (pip install fastapi uvicorn python-multipart)", e)
         return 1
     try:
-        config = engine_config(args)
+        if args.engine_factory is None:  # a custom engine decides for itself what a model is
+            from mstar.runtime.preflight import check_serve
+            check_serve(args.model, args.random_weights, args.device, args.tp)
         key = api_key(args)
+        config = engine_config(args)
     except ValueError as e:
         logger.error("bad option: %s", e)
         return 2
