@@ -6,6 +6,6 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # The offline API pulls in the runtime; import it only when asked for.
     if name in ("LLM", "SamplingParams"):
-        from mstar.runtime import llm
+        from mstar.runtime.engine import llm
         return getattr(llm, name)
     raise AttributeError(name)

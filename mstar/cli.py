@@ -5,7 +5,7 @@
     mstar ops                     the ops, their backends and what loaded (python -m mstar.ops)
     mstar cache ...               the on-disk kernel caches (python -m mstar.ops.cache)
     mstar knobs ...               the MSTAR_* knobs (python -m mstar.runtime.knobs)
-    mstar bench NAME ...          benchmarks: serve, whisper, offline, gate, gate-model
+    mstar bench NAME ...          benchmarks: serve, whisper, offline, gate, gate-model, ops (pytest on mstar/bench/ops)
     mstar --version
 """
 
@@ -27,6 +27,7 @@ _BENCHES = {
     "offline": "mstar.bench.offline",
     "gate": "mstar.bench.gate",
     "gate-model": "mstar.bench.gate_model",
+    "ops": "mstar.bench.ops",  # the op benchmarks: pytest on that folder (_run_ops)
 }
 
 _USAGE = """usage: mstar <command> [flags]
@@ -37,7 +38,8 @@ commands:
   ops            the ops, their backends and the selection per device
   cache          build, list, export, import and clear the kernel caches
   knobs          the MSTAR_* settings, their defaults and meanings
-  bench NAME     benchmarks: serve (an OpenAI server or HF generate), whisper, offline, gate, gate-model
+  bench NAME     benchmarks: serve (an OpenAI server or HF generate), whisper, offline, gate, gate-model,
+                 ops (every op and backend timed: pytest on the installed mstar/bench/ops, extra args passed on)
   --version      print mstar's version
 """
 
@@ -55,6 +57,20 @@ def _run_module(module: str, prog: str, argv: list[str]) -> int:
     return 0
 
 
+def _run_ops(argv: list[str]) -> int:
+    """`mstar bench ops ARGS`: pytest on the installed op-benchmark folder, ARGS passed through."""
+    import importlib.util
+    import os
+    if importlib.util.find_spec("pytest") is None or importlib.util.find_spec("pytest_benchmark") is None:
+        print('mstar bench ops needs pytest and pytest-benchmark: pip install "mstar[dev]"', file=sys.stderr)
+        return 2
+    import pytest
+
+    import mstar.bench.ops
+    folder = os.path.dirname(os.path.abspath(mstar.bench.ops.__file__))
+    return int(pytest.main([folder, "-p", "no:cacheprovider", *argv]))
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -66,7 +82,7 @@ def main(argv=None) -> int:
         print(f"mstar {mstar.__version__}")
         return 0
     if cmd == "serve":
-        from mstar.runtime.serve import main as serve_main
+        from mstar.runtime.serving.serve import main as serve_main
         return serve_main(rest, prog="mstar serve")
     if cmd in ("bench-serve", "bench_serve"):  # the older spelling of `mstar bench serve`
         cmd, rest = "bench", ["serve", *rest]
@@ -74,6 +90,8 @@ def main(argv=None) -> int:
         if not rest or rest[0] not in _BENCHES:
             print(f"usage: mstar bench {{{','.join(_BENCHES)}}} [flags]", file=sys.stderr)
             return 2
+        if rest[0] == "ops":
+            return _run_ops(rest[1:])
         return _run_module(_BENCHES[rest[0]], f"mstar bench {rest[0]}", rest[1:])
     if cmd in _TOOLS:
         return _run_module(_TOOLS[cmd], f"mstar {cmd}", rest)

@@ -95,9 +95,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MSTAR_GDN_SNAPSHOTS", "choice", "chunk-end",
          "Where prefill keeps prefix-cache snapshots of the GDN state: chunk-end = at the last page "
          "boundary of each prefill chunk (one GDN prefill call per row); page = at every page boundary "
-         "(prefix hits at any page, but the GDN prefill then runs one call per page: ~0.5 s per 2048-token "
-         "step on the 0.8B preset).", choices=("chunk-end", "page")),
-    # --- decode step (the reference system's knobs, issue #7; each off until measured faster) ----
+         "(prefix hits at any page, but the GDN prefill then runs one call per page, which makes prefill steps "
+         "far slower: notes/gpu-2026-11-30-graphs.md).", choices=("chunk-end", "page")),
+    # --- decode step (host-side savings around the decode graphs; off by default, notes/decode-knobs.md) ---
     Knob("MSTAR_KV_PLAN_CACHE", "int", 0,
          "Decode page-table arrays. 0: rebuilt from the block tables every step. 1: when a step's decode rows "
          "are the previous step's rows, each one token longer, the previous arrays are advanced (positions and "
@@ -105,13 +105,13 @@ KNOBS: tuple[Knob, ...] = (
          "touches a stream (reset, remove, reload, offload, rollback, release, fork, copy-on-write, prefix-cache "
          "reset) invalidates them. 2: wherever it can advance, build both, log every difference at WARNING and "
          "use the rebuilt arrays. Graph and eager decode rows. FlashInfer's own plan still runs every step."
-         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4847 / 15040 / 29146 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain.",
+         " Measured against the default: notes/decode-knobs.md.",
          choices=(0, 1, 2)),
     Knob("MSTAR_KV_PINNED_INDPTRS", "bool", False,
          "Eager steps (prefill, mixed) stage their index arrays in a preallocated page-locked ring and copy "
          "them straight to the device, instead of pinning fresh host tensors per step (decode graphs always "
          "stage through fixed pinned buffers)."
-         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4910 / 15273 / 30287 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: within noise."),
+         " Measured against the default: notes/decode-knobs.md."),
     Knob("MSTAR_INGRAPH_DECODE_TOKENS", "bool", False,
          "Decode graphs read each row's input token inside the graph from a per-request master buffer on the "
          "device (max_num_seqs slots, allocated once before capture, never grown or moved); the sampler (and "
@@ -119,72 +119,56 @@ KNOBS: tuple[Knob, ...] = (
          "token ids are uploaded. Only for models that declare `reads_device_loopback` (Qwen3.5, Qwen3), with "
          "decode graphs on and tp = 1; elsewhere a warning and no effect. A request beyond the capacity fails "
          "with an error that names it."
-         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): 4842 / 15185 / 30067 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain."),
+         " Measured against the default: notes/decode-knobs.md."),
     Knob("MSTAR_INGRAPH_DECODE_ROPE", "bool", False,
          "With MSTAR_INGRAPH_DECODE_TOKENS: decode graphs compute each row's position (and so its rotary "
          "angle) inside the graph from a per-request device counter, advanced inside the graph (the host "
          "rewrites it only at admission and after eager steps), instead of uploading positions. Set without "
          "MSTAR_INGRAPH_DECODE_TOKENS, the engine refuses to start."
-         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): with the tokens knob 4799 / 15118 / 30687 tok/s against 4870-5271 / 15320-16179 / 30438-30637 off: no gain."),
+         " Measured against the default: notes/decode-knobs.md."),
     Knob("MSTAR_KV_CHAIN_LAZY_STEPS", "int", 1,
          "Register the pages decode fills in the prefix cache on every N-th commit of the request instead of "
          "at once (prompt pages and pages with GDN snapshots: at once); pending pages are registered before "
          "the request's pages are released, offloaded, forked or rolled back, and before a prefix-cache reset."
-         " Measured (H200, offline 0.8B, c8/c32/c128, notes/gpu-2026-11-30-s6.md): N = 8: 4905 / 15260 / 30719 tok/s against 4870-5271 / 15320-16179 / 30438-30637 at 1: within noise.",
+         " Measured against the default: notes/decode-knobs.md.",
          minimum=1),
     Knob("MSTAR_IDLE_GATHER_US", "int", 0,
-         "Engine process: when a request arrives while the engine is idle, keep taking arrivals for this many "
-         "microseconds before the first step, so that a burst (a closed-loop wave, a client's batch) is "
-         "prefilled in one step rather than its first request alone. 0: step at once. Measured (H200, served, one "
-         "instance each, notes/gpu-2026-11-30-s8.md): 4B c8 2066 tok/s against 1975 (one prefill step per wave "
-         "instead of two, TTFT p50 73 against 105 ms), c32 5909 against 5867; 0.8B c8 4204 against 4557 and c32 "
-         "13851 against 14519 (its waves still took two steps: 17 prefill steps for 72 requests). Session 9 "
-         "(notes/gpu-2026-11-30-s9.md): 0.8B c8 with 8000: 5010 and 5103 (two instances) against 4787, one prefill "
-         "step per wave (9 for 72 requests); 9B TP2 c8 with 3000: 1769 against 1577 in session 8, TTFT p50 85 "
-         "against 209 ms. The window also opens when nothing runs but requests wait for admission (session 10: a "
-         "closed-loop wave whose first request came in while the last wave's rows were still decoding was prefilled "
-         "in two steps for good; 9B TP2 c8 with symm_mem_norm: 16 prefill steps for 72 requests and TTFT p50 144 ms "
-         "with 3000 before the change, 9 and 84 ms with 6000 after it, 1697 against 1967 tok/s, "
-         "notes/gpu-2026-12-01-s10.md). The default stays 0: an idle engine holds a lone request (c1) for the whole "
-         "window.",
+         "Engine process: when a request arrives while no step runs (the engine is idle, or requests only wait "
+         "for admission), keep taking arrivals for this many microseconds before the next step, so that a burst "
+         "(a closed-loop wave, a client's batch) is prefilled in one step rather than its first request alone. "
+         "0: step at once. The cost: a lone request (c1) waits the whole window. Measured: "
+         "notes/gpu-2026-11-30-idle-gather.md, notes/gpu-2026-12-01-allreduce-norm.md.",
          minimum=0),
     Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
-         "bfloat16, which halves the bytes a decode step reads and writes per row (at 4B and batch 128 about "
-         "13 GB a step in float32, by arithmetic) and the memory per sequence. Every kernel still computes in float32 and "
-         "rounds the state when it stores it. The correctness gate on CPU (the trained gate model, float32 "
-         "weights, 64 prompts x 32 tokens, batch 1 / 8 / 32; commit 679f196) passes with it: every output equals "
-         "HF's, largest logprob difference 4.8e-4 against 7e-6 with float32 state. Served on H200 (one instance "
-         "each, notes/gpu-2026-11-30-s9.md): 4B c64 / c128 9006 / 11425 tok/s against 8711 (session 8) / 11139; "
-         "9B TP2 c64 / c128 8963 / 13882 against 9211 / 13260. The gate has not run on a GPU with it, so the "
-         "default stays float32.",
+         "bfloat16, which halves the bytes a decode step reads and writes per row and the memory per sequence. "
+         "Every kernel still computes in float32 and rounds the state when it stores it. With bfloat16 the CPU "
+         "correctness gate (the trained gate model, float32 weights) still passes: every output equals HF's. "
+         "Measured: notes/gpu-2026-11-30-served-default.md.",
          choices=("float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
-         "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): auto = symm_mem_norm where the ranks' "
-         "GPUs have peer access to each other and the model is bf16 / fp16, nccl elsewhere (CPU: gloo); "
-         "nccl = torch.distributed.all_reduce; "
-         "symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' buffers over "
-         "NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above. CUDA only: "
-         "elsewhere it has no effect (with a warning). Measured (2 x H200, offline 9B TP2, prefill graphs on, "
-         "c8/c32/c64/c128, notes/gpu-2026-11-30-s7.md): 1782 / 5722 / 9203 / 12808 tok/s against NCCL's "
-         "1761 / 5688 / 9127 / 12529: +1-2%, near the noise, so the default stays nccl. symm_mem_norm = "
-         "symm_mem, and each sum that a residual add + RMSNorm follows (all of them in Qwen3.5 / Qwen3) is one "
-         "Triton kernel that sums over the peers' buffers, adds and norms (three kernels apart). Measured (2 x "
-         "H200, notes/gpu-2026-12-01-s10.md): per sum in a CUDA graph of 64, hidden 4096, at 8 / 32 / 128 / 256 rows "
-         "6.3 / 6.7 / 9.5 / 13.1 us against symm_mem's 9.6 / 11.2 / 17.4 / 24.1 and NCCL's 9.1 / 10.5 / 17.8 / 30.7 "
-         "(with the norm), the same bits; 9B TP2 served with MSTAR_IDLE_GATHER_US=6000: 1967 / 6383 / 9639 / 13844 "
-         "tok/s at c8 / c32 / c64 / c128 (the reference system's row: 1914 / 5822 / 9523 / 12758), c8 ITL p50 "
-         "3.75 ms against 4.19 with symm_mem in session 9.",
+         "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce "
+         "(gloo on CPU); symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' "
+         "buffers over NVLink; no multicast) for bf16 / fp16 tensors up to 4 MiB (decode steps), NCCL above; "
+         "symm_mem_norm = symm_mem, and each sum that a residual add + RMSNorm follows (all of them in Qwen3.5 / "
+         "Qwen3) is one Triton kernel that sums over the peers' buffers, adds and norms (three kernels apart); "
+         "auto = symm_mem_norm where the ranks' GPUs have peer access to each other and the model is bf16 / fp16, "
+         "nccl elsewhere. The symm_mem modes are CUDA only: elsewhere they have no effect (with a warning). "
+         "Measured: notes/gpu-2026-11-30-tp2-9b.md (symm_mem), notes/gpu-2026-12-01-allreduce-norm.md "
+         "(symm_mem_norm).",
          choices=("nccl", "symm_mem", "symm_mem_norm", "auto")),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
+    Knob("MSTAR_MODEL_PLUGINS", "str", "",
+         "Comma-separated Python modules imported at the first model lookup; each registers model families "
+         "(mstar.models.registry.register). Empty: the built-in families only."),
     Knob("MSTAR_API_KEY", "str", "",
          "The API key the server requires (Authorization: Bearer KEY) when neither --api-key nor --api-key-file "
          "is given; unlike --api-key it does not show in the process list. Empty: no key."),
     # --- diagnostics -----------------------------------------------------------------------
     Knob("MSTAR_PHASE_TIMING", "bool", False,
          "Record per-step phase times (schedule, prepare, plan, forward, logits, sample, output, idle gap "
-         "between steps) as JSON lines to MSTAR_PHASE_LOG; summarise with notes/tools/phase_idle.py. "
+         "between steps) as JSON lines to MSTAR_PHASE_LOG; summarise with `python -m mstar.bench.tools.phase_idle` (notes/phase_timing.md). "
          "On CUDA it synchronizes after the forward and the logits (off: no timing code, no syncs)."),
     Knob("MSTAR_PHASE_LOG", "str", "phase_timing.jsonl",
          "Where MSTAR_PHASE_TIMING appends its JSON lines (relative paths: the working directory). "

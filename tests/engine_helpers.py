@@ -35,8 +35,8 @@ def single_thread():
 
 # Per kind: the shapes that differ. "-gpu" kinds (GPU tests) have the per-head shapes of the
 # 0.8B / 0.6B presets (attention head_dim 256 / 128; GDN 16 x 128 heads, conv width 6144) in a
-# small model, so that FlashInfer's and fla's kernels are the ones a carried kernel cache already
-# holds (no minutes of first-use builds).
+# small model, so that FlashInfer's and fla's kernels are the ones a kernel cache built for the
+# presets already holds (no minutes of first-use builds).
 _SHAPES = {
     "qwen3.5": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -113,8 +113,8 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 
 def engine(kind: str, **opts):
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     opts.setdefault("dtype", "float32")
     opts.setdefault("device", "cpu")
     opts.setdefault("max_model_len", 512)
@@ -122,7 +122,7 @@ def engine(kind: str, **opts):
 
 
 def llm(kind: str, **opts):
-    from mstar.runtime.llm import LLM
+    from mstar.runtime.engine.llm import LLM
     opts.setdefault("dtype", "float32")
     opts.setdefault("device", "cpu")
     opts.setdefault("max_model_len", 512)
@@ -132,7 +132,7 @@ def llm(kind: str, **opts):
 def greedy_requests(ps, max_tokens, prefix: str = "") -> list:
     """EngineRequests "<prefix>i" for prompts ps, greedy, EOS ignored; max_tokens: an int, or a
     function of the index i."""
-    from mstar.runtime.request import EngineRequest, SamplingParams
+    from mstar.runtime.engine.request import EngineRequest, SamplingParams
     n = max_tokens if callable(max_tokens) else (lambda i: max_tokens)
     return [EngineRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=n(i), temperature=0.0, ignore_eos=True))
             for i, p in enumerate(ps)]

@@ -23,7 +23,7 @@ class ServerProc:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mstar-server-", suffix=".log", delete=False)
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.runtime.serve", *self.args], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mstar.runtime.serving.serve", *self.args], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.url = self._wait_ready(startup_timeout)
 

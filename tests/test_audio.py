@@ -1,4 +1,4 @@
-"""Whisper's audio front end (mstar/models/audio.py): log-mel features against transformers'
+"""Whisper's audio front end (mstar/models/whisper/audio.py): log-mel features against transformers'
 WhisperFeatureExtractor, resampling against a float64 reference and against exact
 sinusoids, decoding round trips through soundfile (WAV / FLAC / OGG / MP3), windows, and
 the errors the server maps to HTTP 400."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from mstar.models import audio
-from mstar.models.audio import (AudioError, AudioTooLongError, CorruptAudioError, EmptyAudioError,
+from mstar.models.whisper import audio
+from mstar.models.whisper.audio import (AudioError, AudioTooLongError, CorruptAudioError, EmptyAudioError,
                                 UnsupportedAudioError, audio_features, decode_audio, load_audio, log_mel_spectrogram,
                                 resample, windows)
 

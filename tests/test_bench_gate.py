@@ -1,6 +1,6 @@
-"""The correctness gate (`python -m mstar.bench.gate`, issue 6) at tiny sizes on the CPU in fp32:
+"""The correctness gate (`python -m mstar.bench.gate`) at tiny sizes on the CPU in fp32:
 complete agreement with HF transformers, the JSON record, and exit status 1 once an mstar weight
-is perturbed. The GPU run (bf16, real shapes) is the lead's; see the module docstring."""
+is perturbed. The GPU run (bf16, real shapes): see the module docstring."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mstar.models.context import AttentionLayerSpec, CacheSpec, StateLayerSpec
-from mstar.runtime.cache_manager import CacheManager, CacheStats, StateRollbackError
+from mstar.runtime.caches.cache_manager import CacheManager, CacheStats, StateRollbackError
 
 PS = 4
 KV_SPEC = CacheSpec(attention=(AttentionLayerSpec(2, 4), AttentionLayerSpec(1, 8)))

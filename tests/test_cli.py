@@ -8,13 +8,13 @@ import logging
 import pytest
 
 from mstar import cli
-from mstar.runtime import serve
+from mstar.runtime.serving import serve
 
 
 @pytest.fixture
 def no_engine(monkeypatch):
     """Fail the test if serve.main gets as far as starting an engine process."""
-    import mstar.runtime.engine_process as ep
+    import mstar.runtime.engine.engine_process as ep
 
     def refuse(*a, **kw):
         raise AssertionError("an engine process was started")
@@ -57,7 +57,7 @@ def test_argument_mistakes_are_one_line_before_the_engine(argv, needle, no_engin
 
 
 def test_preset_with_random_weights_passes_the_checks():
-    from mstar.runtime.preflight import check_serve
+    from mstar.runtime.serving.preflight import check_serve
     check_serve("qwen3.5-0.8b", True, "cpu", 1)
     check_serve("qwen3.5-0.8b", True, "auto", 2)  # 2 divides every head count of the 0.8B shape
 
@@ -71,3 +71,14 @@ def test_tools_under_one_name(capsys):
     assert cli.main(["bench", "serve", "--help"]) == 0
     assert "--base-url" in capsys.readouterr().out
     assert cli.main(["nonsense"]) == 2
+
+
+def test_bench_ops_runs_pytest_on_the_installed_op_benchmarks(tmp_path):
+    """`mstar bench ops ARGS` is pytest on mstar/bench/ops with ARGS passed through (any working directory)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "mstar.cli", "bench", "ops", "--collect-only", "-q",
+                        "-k", "rms_norm and qwen3.5-0.8b_decode_bs1 and reference"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_ops.py::test_op[rms_norm-qwen3.5-0.8b_decode_bs1-reference]" in r.stdout

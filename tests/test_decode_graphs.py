@@ -1,4 +1,4 @@
-"""The graph-replayed decode path (runtime/cuda_graphs.py) on CPU: mode "static" runs the
+"""The graph-replayed decode path (runtime/graphs/cuda_graphs.py) on CPU: mode "static" runs the
 graphs' fixed buffers, padding rows and page-table refresh without capturing. Its tokens
 must equal the eager path's and HF's, for batches that fill a captured size exactly, need
 padding, cross page boundaries and shrink as requests finish; the padding rows must not
@@ -12,8 +12,8 @@ import torch
 
 from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.cuda_graphs import capture_sizes
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.graphs.cuda_graphs import capture_sizes
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 KINDS = ["qwen3.5", "qwen3"]
 
@@ -79,7 +79,7 @@ def test_graphs_off_on_cpu_by_default_and_config_checked():
     # async_output "auto" (the default) overlaps only captured graphs: not "static" ones
     assert engine("qwen3.5", max_num_seqs=4, decode_graphs="static").overlap is None
     assert engine("qwen3.5", max_num_seqs=4, decode_graphs="static", async_output="on").overlap is not None
-    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine.config import EngineConfig
     assert EngineConfig(async_output=True).async_output == "on"
     assert EngineConfig(async_output=False).async_output == "off"
     with pytest.raises(ValueError, match="async_output"):
@@ -126,8 +126,8 @@ def test_compiled_forward_with_static_graph_path_matches_hf(mode):
 @pytest.mark.parametrize("compile", ["off", "decode", "on"])
 def test_cuda_graph_decode_matches_eager(kind, compile):
     from engine_helpers import model_dir
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     ps = prompts(13, 3, 60, seed=3)
     reqs = lambda: greedy_requests(ps, 24)  # noqa: E731
     opts = dict(model=model_dir(kind), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=16,
@@ -147,12 +147,12 @@ def test_cuda_graph_decode_matches_eager(kind, compile):
                                       dict(MSTAR_KV_PLAN_CACHE=2), dict(MSTAR_KV_PINNED_INDPTRS=True),
                                       dict(MSTAR_KV_CHAIN_LAZY_STEPS=4)], ids=lambda k: "+".join(k))
 def test_cuda_graph_decode_knobs_match_eager(knob_set, caplog):
-    """The reference system's knobs under real capture (overlapped decode on: the default with
+    """The decode-step knobs (notes/decode-knobs.md) under real capture (overlapped decode on: the default with
     graphs): tokens equal the eager knobs-off engine's; plan cache mode 2 logs no difference."""
     from engine_helpers import model_dir
     from mstar import knobs
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     ps = prompts(13, 3, 60, seed=5)
     reqs = lambda: greedy_requests(ps, 40)  # noqa: E731
     opts = dict(model=model_dir("qwen3.5-gpu"), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=8,
@@ -294,14 +294,14 @@ def test_overlapped_decode_falls_back_for_sampled_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_cuda_graph_decode_whisper_matches_eager():
     """Whisper: self-attention and cross-attention plans per captured batch size."""
-    from mstar.models.whisper_tokens import WhisperTokens
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.models.whisper.tokens import WhisperTokens
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     from whisper_helpers import clip
     tok = WhisperTokens.from_vocab_size(51865)
     prompt = tok.decoder_prompt("en", "transcribe")
     reqs = lambda: [EngineRequest(str(i), prompt, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0),  # noqa: E731
-                                  audio=clip(2.0 + 3 * i, 200.0 + 50 * i, seed=i)) for i in range(5)]
+                                  encoder_input=clip(2.0 + 3 * i, 200.0 + 50 * i, seed=i)) for i in range(5)]
     opts = dict(model="whisper-tiny", random_weights=True, device="cuda", dtype="bfloat16", max_num_seqs=8)
     g = EngineCore(EngineConfig(**opts))
     assert g.graphs is not None and g.graphs.graphs and g.graphs.cross_plans

@@ -7,8 +7,8 @@ import pytest
 
 from engine_helpers import POOL_SEED, assert_no_leaks, engine, hf_greedy, llm, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.config import EngineConfig
-from mstar.runtime.request import EngineRequest, RequestError, SamplingParams
+from mstar.runtime.engine.config import EngineConfig
+from mstar.runtime.engine.request import EngineRequest, RequestError, SamplingParams
 
 PS = prompts(8, 3, 30, seed=POOL_SEED)
 G = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -204,7 +204,7 @@ def test_engine_on_cuda_matches_cpu():
     the tiny preset in fp32 on CUDA gives the CPU's greedy tokens and reproduces seeds."""
     import torch
 
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.engine_core import EngineCore
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ps = [[t % 259 for t in p] for p in prompts(12, 3, 60, seed=5)]  # the preset's byte vocab

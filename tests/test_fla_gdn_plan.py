@@ -122,7 +122,7 @@ def test_fla_plan_in_the_engine_matches_the_reference(fla_backend, monkeypatch):
     from engine_helpers import engine, prompts, run_all
     from mstar import knobs
     from mstar.ops.registry import Backend
-    from mstar.runtime.request import EngineRequest, SamplingParams
+    from mstar.runtime.engine.request import EngineRequest, SamplingParams
     fla = gdn.gdn_prefill.backends["fla"]
     gdn.gdn_prefill.backends["fla"] = Backend("fla", fla.fn, ("cpu",), lambda: True, fla.priority, fla.note)
     gdn.gdn_prefill._resolved.clear()

@@ -1,4 +1,4 @@
-"""The engine gate (issue 4): CPU, fp32, tiny random Qwen3.5 (hybrid GDN) and Qwen3 (dense)
+"""The engine gate: CPU, fp32, tiny random Qwen3.5 (hybrid GDN) and Qwen3 (dense)
 written by transformers with save_pretrained and loaded by path.
 
 HF references run per prompt alone (no padding), greedy, 32 new tokens, eos ignored.
@@ -14,7 +14,7 @@ from mstar import knobs
 
 from engine_helpers import EOS, assert_no_leaks, engine, hf_greedy, llm, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 KINDS = ["qwen3.5", "qwen3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

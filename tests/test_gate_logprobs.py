@@ -13,7 +13,7 @@ import torch
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 
 from mstar.bench import gate
-from mstar.runtime.request import TokenLogprobs
+from mstar.runtime.engine.request import TokenLogprobs
 
 V = 8
 

@@ -1,7 +1,7 @@
 """mstar.bench.gate_model (the trained checkpoint for the gate), at a tiny size on the CPU: the
 task's data follow its rule; a model trained for a few steps and saved as the module saves it
 (bf16 safetensors, tokenizer, gate_task.json) loads in mstar and in transformers with the same
-fp32 logits, through prefill and decode. The full-size run (minutes) is the lead's:
+fp32 logits, through prefill and decode. The full-size run (minutes):
 `python -m mstar.bench.gate_model --out .gate_model`."""
 
 from __future__ import annotations

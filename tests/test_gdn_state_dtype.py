@@ -13,7 +13,7 @@ from engine_helpers import POOL_SEED, engine, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
 from mstar.ops import gdn
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 PS = prompts(4, 5, 30, seed=POOL_SEED)
 G = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

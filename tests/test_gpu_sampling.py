@@ -12,7 +12,7 @@ import torch
 from mstar import knobs, ops
 from mstar.ops import sampling
 from mstar.ops.sampling import uniform_noise
-from mstar.runtime.cuda_graphs import capture_after_first_use
+from mstar.runtime.graphs.cuda_graphs import capture_after_first_use
 from test_ops_sampling import _assert_same, _exact_tie, _pick
 
 pytestmark = pytest.mark.gpu
@@ -149,8 +149,8 @@ def test_planned_path_captures_in_a_cuda_graph():
 
 
 def test_sampler_on_cuda_matches_the_reference():
-    from mstar.runtime.request import SamplingParams
-    from mstar.runtime.sampler import Sampler
+    from mstar.runtime.engine.request import SamplingParams
+    from mstar.runtime.engine.sampler import Sampler
 
     gen = torch.Generator().manual_seed(11)
     V = 248320

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from mstar.runtime.http_timeouts import TimedH11Protocol, timed_protocol
+from mstar.runtime.serving.http_timeouts import TimedH11Protocol, timed_protocol
 
 HEAD_TIMEOUT = 0.5
 KEEP_ALIVE = 1.5  # longer than HEAD_TIMEOUT, to tell the two apart

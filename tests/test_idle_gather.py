@@ -9,7 +9,7 @@ import threading
 import time
 
 from mstar import knobs
-from mstar.runtime.engine_process import take_commands
+from mstar.runtime.engine.engine_process import take_commands
 
 
 def _feed(q, items, gap_s):
@@ -88,9 +88,9 @@ def test_engine_running_state_for_the_gather():
     """EngineCore.has_running: False with only waiting requests, True once one is admitted."""
     from engine_helpers import model_dir
 
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
-    from mstar.runtime.request import EngineRequest, SamplingParams
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
+    from mstar.runtime.engine.request import EngineRequest, SamplingParams
     core = EngineCore(EngineConfig(model=model_dir("qwen3.5"), device="cpu", dtype="float32", max_num_seqs=4,
                                    max_model_len=64))
     assert not core.has_unfinished() and not core.has_running()

@@ -1,5 +1,5 @@
 """In-graph decode inputs (MSTAR_INGRAPH_DECODE_TOKENS, MSTAR_INGRAPH_DECODE_ROPE;
-runtime/decode_masters.py) on CPU through the static decode-graph path: the graphs gather
+runtime/graphs/decode_masters.py) on CPU through the static decode-graph path: the graphs gather
 each row's input token (and position) from per-request device masters that the sampler
 (or overlapped decode's launch) writes, instead of the host staging them.
 
@@ -17,9 +17,9 @@ import torch
 from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
-from mstar.runtime.decode_masters import DecodeMasters, MasterCapacityError
-from mstar.runtime.decode_overlap import PLACEHOLDER
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.graphs.decode_masters import DecodeMasters, MasterCapacityError
+from mstar.runtime.graphs.decode_overlap import PLACEHOLDER
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 KINDS = ["qwen3.5", "qwen3"]
 
@@ -286,7 +286,7 @@ def test_knobs_off_calls_nothing_new(monkeypatch):
 
 
 def test_knob_without_effect_where_nothing_reads_the_masters():
-    from mstar.models.whisper import WhisperForConditionalGeneration
+    from mstar.models.whisper.model import WhisperForConditionalGeneration
     assert WhisperForConditionalGeneration.reads_device_loopback is False  # reads its tokens as staged
     with knobs.override(MSTAR_INGRAPH_DECODE_TOKENS=True, MSTAR_INGRAPH_DECODE_ROPE=True):
         eager = engine("qwen3", max_num_seqs=2, decode_graphs="off")
@@ -310,7 +310,7 @@ def test_ingraph_with_compiled_decode_forward():
 
 
 def test_sampler_scatters_only_with_masters():
-    from mstar.runtime.sampler import Sampler
+    from mstar.runtime.engine.sampler import Sampler
     V = 64
     s = Sampler(4, V, "cpu")
     rows = [s.add(SamplingParams(temperature=0.0), 0, [1], []),

@@ -1,4 +1,4 @@
-"""MSTAR_KV_CHAIN_LAZY_STEPS (runtime/cache_manager.py): decode-filled pages enter the prefix
+"""MSTAR_KV_CHAIN_LAZY_STEPS (runtime/caches/cache_manager.py): decode-filled pages enter the prefix
 cache only on every N-th commit of their request; the length always moves at once; pending
 registrations are done before the request's chain is read or its pages released (free,
 offload, fork, rollback, snapshot_slots, reset_prefix_cache, commit_pending).
@@ -20,9 +20,9 @@ from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, 
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
 from mstar.models.context import AttentionLayerSpec, CacheSpec, StateLayerSpec
-from mstar.runtime.cache_manager import CacheManager
-from mstar.runtime.prefix_cache import extend_keys, root_key
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.caches.cache_manager import CacheManager
+from mstar.runtime.caches.prefix_cache import extend_keys, root_key
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 PS = 4
 KV_SPEC = CacheSpec(attention=(AttentionLayerSpec(2, 4),))

@@ -1,4 +1,4 @@
-"""MSTAR_KV_PINNED_INDPTRS (runtime/step_inputs.py, PinnedRing): eager steps stage their packed
+"""MSTAR_KV_PINNED_INDPTRS (runtime/engine/step_inputs.py, PinnedRing): eager steps stage their packed
 index buffers in a preallocated ring of host buffers (page-locked on CUDA; plain tensors on
 CPU, where the same ring logic runs) and reuse a slot only once the copy out of it finished.
 """
@@ -14,7 +14,7 @@ import torch
 from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
-from mstar.runtime.step_inputs import PinnedRing
+from mstar.runtime.engine.step_inputs import PinnedRing
 
 
 class FakeEvent:

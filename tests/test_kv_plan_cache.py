@@ -1,4 +1,4 @@
-"""MSTAR_KV_PLAN_CACHE (runtime/decode_plan_cache.py): decode page-table arrays advanced from
+"""MSTAR_KV_PLAN_CACHE (runtime/graphs/decode_plan_cache.py): decode page-table arrays advanced from
 the previous step's instead of rebuilt.
 
 Unit level: the advance equals a fresh decode_arrays call at and across page boundaries (page
@@ -23,10 +23,10 @@ from engine_helpers import assert_no_leaks, engine, hf_greedy, prompts
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
 from mstar.models.context import AttentionLayerSpec, CacheSpec
-from mstar.runtime.cache_manager import CacheManager, stream_generation
-from mstar.runtime.decode_plan_cache import ARRAY_NAMES, DecodeArrayCache
-from mstar.runtime.request import EngineRequest, SamplingParams
-from mstar.runtime.step_inputs import StepRows, decode_arrays
+from mstar.runtime.caches.cache_manager import CacheManager, stream_generation
+from mstar.runtime.graphs.decode_plan_cache import ARRAY_NAMES, DecodeArrayCache
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
+from mstar.runtime.engine.step_inputs import StepRows, decode_arrays
 
 KINDS = ["qwen3.5", "qwen3"]
 

@@ -59,7 +59,7 @@ def test_full_size_qwen3_5_fast_backends_match_reference(dtype):
     print(f"{dtype}: rel err {err:.2e}, min cosine {cos:.6f}")
     if dtype == torch.float32:
         # fla's chunk kernels (the GDN prefill) multiply float32 in TF32 (tl.dot's default): 6.6-7.2e-3
-        # at seeds 1-3 (notes/tools/fast_vs_reference_probe.py, session 10); with the GDN prefill on
+        # at seeds 1-3 (mstar/bench/tools/fast_vs_reference_probe.py, notes/gpu-2026-12-01-allreduce-norm.md); with the GDN prefill on
         # the reference, every other fast kernel stays within 1.2e-5
         assert err < 2e-2 and cos > 0.9999, (err, cos)
         with knobs.override(MSTAR_BACKENDS="gdn_prefill=reference,gdn_prefill_fused=composed"):

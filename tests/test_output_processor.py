@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mstar.runtime.output_processor import IncrementalDetokenizer, OutputProcessor
-from mstar.runtime.request import CoreOutput, SamplingParams, TokenLogprobs
+from mstar.runtime.engine.output_processor import IncrementalDetokenizer, OutputProcessor
+from mstar.runtime.engine.request import CoreOutput, SamplingParams, TokenLogprobs
 
 
 class PieceTokenizer:

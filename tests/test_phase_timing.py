@@ -1,6 +1,6 @@
 """MSTAR_PHASE_TIMING: the default path calls no timing code and the knob changes no token;
 with it on, every step writes one JSON line with every phase, and
-notes/tools/phase_idle.py summarises the file."""
+`python -m mstar.bench.tools.phase_idle` summarises the file."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import time
 from engine_helpers import POOL_SEED, engine, model_dir, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar import knobs
-from mstar.runtime import phase_timing
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.engine import phase_timing
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "notes" / "tools" / "phase_idle.py"
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "mstar" / "bench" / "tools" / "phase_idle.py"
 PS = prompts(6, 3, 30, seed=POOL_SEED)
 PHASES = phase_timing.PHASES
 
@@ -123,8 +123,8 @@ def test_stderr_when_log_is_empty(capsys):
 
 def test_engine_process_notes_the_loop(tmp_path, monkeypatch):
     """In the server's engine process the gap between steps is split into its known parts."""
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_process import EngineProcess
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_process import EngineProcess
     log = tmp_path / "ep.jsonl"
     monkeypatch.setenv("MSTAR_PHASE_TIMING", "1")
     monkeypatch.setenv("MSTAR_PHASE_LOG", str(log))

@@ -1,4 +1,4 @@
-"""Piecewise graphs for prefill and mixed steps (runtime/prefill_graphs.py), on CPU in "static"
+"""Piecewise graphs for prefill and mixed steps (runtime/graphs/prefill_graphs.py), on CPU in "static"
 mode: the same segments, fixed buffers and padded token counts as the captured graphs, run
 eagerly. Tokens must equal the plain forward's (greedy and seeded sampling) over steps that mix
 decode rows with prefill chunks, chunked prompts, prefix-cache hits (GDN snapshots) and every
@@ -11,8 +11,8 @@ import torch
 
 from engine_helpers import assert_no_leaks, engine, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.prefill_graphs import prefill_sizes
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.graphs.prefill_graphs import prefill_sizes
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 
 def test_prefill_sizes():
@@ -51,8 +51,8 @@ def test_static_prefill_graphs_match_the_forward(kind):
 
 def test_prefill_graphs_refuse_what_they_cannot_cut(caplog):
     from engine_helpers import model_dir
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     core = engine("qwen3", prefill_graphs="static", compile="on")
     assert core.prefill_graphs is None
     assert any("prefill graphs are off" in r.getMessage() for r in caplog.records)
@@ -83,7 +83,7 @@ def test_static_prefill_graphs_at_tp2():
 @pytest.mark.parametrize("kind", ["qwen3.5-gpu", "qwen3-gpu"])
 def test_cuda_prefill_graphs_match_the_forward(kind):
     """Captured segments replayed around eager cores give the plain forward's tokens (bf16; the
-    presets' per-head shapes, so the carried kernel cache has the attention / GDN kernels)."""
+    presets' per-head shapes, so a kernel cache built for the presets has the attention / GDN kernels)."""
     ps = prompts(9, 1, 70, seed=31)
     shared = prompts(1, 24, 24, seed=32)[0]
     opts = dict(page_size=16, max_num_seqs=4, max_num_batched_tokens=128, device="cuda", dtype="bfloat16")
@@ -98,8 +98,8 @@ def test_cuda_prefill_graphs_match_the_forward(kind):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_cuda_prefill_graphs_at_tp2():
     """NCCL: both ranks capture the segments (all-reduces inside) and replay them in step."""
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     from engine_helpers import model_dir
     from tp_helpers import PS, closed_cleanly, run_greedy
     opts = dict(model=model_dir("qwen3-gpu"), device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mstar.models.context import AttentionLayerSpec, CacheSpec, StateLayerSpec
-from mstar.runtime.cache_manager import CacheManager
-from mstar.runtime.prefix_cache import PrefixCache, extend_keys, page_key, root_key
+from mstar.runtime.caches.cache_manager import CacheManager
+from mstar.runtime.caches.prefix_cache import PrefixCache, extend_keys, page_key, root_key
 
 PS = 4
 KV_SPEC = CacheSpec(attention=(AttentionLayerSpec(2, 4),))

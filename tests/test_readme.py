@@ -2,15 +2,15 @@
 
 import pathlib
 
-from mstar.runtime.serve import build_parser
-from mstar.runtime.serve_flags import flags_table
+from mstar.runtime.serving.serve import build_parser
+from mstar.runtime.serving.serve_flags import flags_table
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_readme_has_every_server_flag():
     assert flags_table(build_parser()) in README, \
-        "regenerate README's flag table from mstar.runtime.serve_flags.flags_table(build_parser())"
+        "regenerate README's flag table from mstar.runtime.serving.serve_flags.flags_table(build_parser())"
 
 
 def test_readme_has_the_two_commands():

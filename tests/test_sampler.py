@@ -8,8 +8,8 @@ import torch
 
 from mstar import knobs, ops
 from mstar.ops import sampling
-from mstar.runtime.request import SamplingParams
-from mstar.runtime.sampler import Sampler
+from mstar.runtime.engine.request import SamplingParams
+from mstar.runtime.engine.sampler import Sampler
 
 V = 50
 

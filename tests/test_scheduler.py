@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mstar.models.context import AttentionLayerSpec, CacheSpec, StateLayerSpec
-from mstar.runtime.cache_manager import CacheManager
-from mstar.runtime.request import SamplingParams
-from mstar.runtime.scheduler import Scheduler, Sequence, SeqStatus
-from mstar.runtime.step_inputs import StepInputBuilder, StepRows
+from mstar.runtime.caches.cache_manager import CacheManager
+from mstar.runtime.engine.request import SamplingParams
+from mstar.runtime.scheduling.scheduler import Scheduler, Sequence, SeqStatus
+from mstar.runtime.engine.step_inputs import StepInputBuilder, StepRows
 
 ATTN = CacheSpec(attention=(AttentionLayerSpec(1, 2),))
 HYBRID = CacheSpec(attention=(AttentionLayerSpec(1, 2),), state=(StateLayerSpec(4, 2, 1, 2, 2),))

@@ -356,7 +356,7 @@ def test_engine_death_exits_nonzero_once_restarts_are_spent():
 
 def test_cli_help_explains_every_flag(capsys):
     from mstar import cli
-    from mstar.runtime import serve
+    from mstar.runtime.serving import serve
     p = serve.build_parser()
     for a in p._actions:
         assert a.help and len(a.help) > 10, a.dest
@@ -385,9 +385,11 @@ def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
     starting an engine process (which once kept the dying server alive while it loaded)."""
     import sys
 
-    from mstar.runtime import engine_process, serve
+    from mstar.runtime.engine import engine_process
 
-    monkeypatch.setitem(sys.modules, "mstar.runtime.api_server", None)  # its import now fails
+    from mstar.runtime.serving import serve
+
+    monkeypatch.setitem(sys.modules, "mstar.runtime.serving.api_server", None)  # its import now fails
 
     def no_engine(*a, **k):
         raise AssertionError("an engine was started")
@@ -405,8 +407,8 @@ def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
 
 
 def test_admission_flags_reach_the_engine_config():
-    from mstar.runtime import serve
-    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.serving import serve
+    from mstar.runtime.engine.config import EngineConfig
     args = serve.parse_args(["--admit-min-free", "3", "--admit-max-wait", "5"], "mstar serve")
     cfg = serve.engine_config(args)
     assert (cfg.admit_min_free, cfg.admit_max_wait) == (3, 5)

@@ -129,7 +129,7 @@ def test_logprobs_are_finite_json(server):
 def test_engine_refuses_a_bad_request_alone():
     """Straight into the engine (no API in front): a top_k the sampler's int64 table cannot hold
     is refused at add_request, and the other requests run to their end."""
-    from mstar.runtime.request import EngineRequest, RequestError, SamplingParams
+    from mstar.runtime.engine.request import EngineRequest, RequestError, SamplingParams
     core = engine("qwen3.5", max_num_seqs=4)
     good = greedy_requests(prompts(2, 3, 9, seed=11), 5)
     bad = SamplingParams(max_tokens=5)
@@ -164,10 +164,10 @@ def test_prompt_tokens_per_request_are_bounded(server):
 def test_aborted_requests_never_reach_the_engine():
     """Adds queued ahead of their abort are skipped, not added and then aborted: an abort never
     waits behind the adds queued before it."""
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_process import EngineProcess
-    from mstar.runtime.request import EngineRequest, SamplingParams
-    ep = EngineProcess(EngineConfig(model=MODEL), factory="mstar.runtime.synthetic_engine:SyntheticEngine")
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_process import EngineProcess
+    from mstar.runtime.engine.request import EngineRequest, SamplingParams
+    ep = EngineProcess(EngineConfig(model=MODEL), factory="mstar.runtime.engine.synthetic_engine:SyntheticEngine")
     doomed = [EngineRequest(f"d{i}", [1, 2, 3], SamplingParams(max_tokens=50)) for i in range(3000)]
     ep.add(doomed)
     ep.abort([r.request_id for r in doomed])
@@ -307,7 +307,7 @@ def test_api_key_from_file_is_required(server):
 
 def test_api_key_from_the_environment():
     from mstar import knobs
-    from mstar.runtime.serve import api_key, parse_args
+    from mstar.runtime.serving.serve import api_key, parse_args
     with knobs.override(MSTAR_API_KEY="sk-env"):
         assert api_key(parse_args([])) == "sk-env"
         assert api_key(parse_args(["--api-key", "sk-flag"])) == "sk-flag"

@@ -15,7 +15,7 @@ import pytest
 from server_harness import ServerProc
 
 from mstar.bench import serve as bench
-from mstar.runtime.synthetic_engine import synthetic_token
+from mstar.runtime.engine.synthetic_engine import synthetic_token
 
 MODEL = "qwen3.5-0.8b"  # a preset without a tokenizer: token ids only, as in the headline benchmark
 C = 32
@@ -28,7 +28,7 @@ def server():
     old = os.environ.get("SYNTH_STEPS_PER_S")
     os.environ["SYNTH_STEPS_PER_S"] = "1000"
     try:
-        s = ServerProc("--model", MODEL, "--engine-factory", "mstar.runtime.synthetic_engine:SyntheticEngine",
+        s = ServerProc("--model", MODEL, "--engine-factory", "mstar.runtime.engine.synthetic_engine:SyntheticEngine",
                        "--max-num-seqs", str(C))
     finally:
         if old is None:
@@ -151,7 +151,7 @@ def test_tally_counts_coalesced_chunks():
 # -- the fast path's pieces against what they replace -------------------------------------------
 
 def test_chunk_events_equal_sse_event():
-    from mstar.runtime.api_sse import ChunkEvents, sse_event
+    from mstar.runtime.serving.api_sse import ChunkEvents, sse_event
     base = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": 'm"\u00e9'}
     enc = ChunkEvents(base)
     for c in ({"index": 0, "text": "a\u00e9\n\"\\", "logprobs": None, "finish_reason": None, "token_ids": [1, 2]},
@@ -165,7 +165,7 @@ def test_chunk_events_equal_sse_event():
 def test_observe_many_equals_observe():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from mstar.runtime.api_engine import observe_many
+    from mstar.runtime.serving.api_engine import observe_many
     rng = random.Random(1)
     b = (0.001, 0.005, 0.01, 0.1, 1.0)
     vals = [rng.choice([0.001, 0.005, 0.3, 2.0]) * rng.random() * 2 for _ in range(500)] + [0.001, 0.005, 1.0, 7.0]
@@ -182,8 +182,8 @@ def test_observe_many_equals_observe():
 
 
 def test_outputs_pack_unpack():
-    from mstar.runtime.engine_process import pack_outputs, unpack_outputs
-    from mstar.runtime.request import CoreOutput, TokenLogprobs
+    from mstar.runtime.engine.engine_process import pack_outputs, unpack_outputs
+    from mstar.runtime.engine.request import CoreOutput, TokenLogprobs
     outs = [CoreOutput("a", [1, 2]), CoreOutput("b", [3], [TokenLogprobs(-0.5, [3], [-0.5])], "stop", 3, 7, 4),
             CoreOutput("c", [], None, "abort", None, 2, 0)]
     assert unpack_outputs(pack_outputs(outs)) == outs
@@ -193,9 +193,9 @@ def test_delta_output_processor_matches_cumulative():
     """The server's OutputProcessor(cumulative=False) + ChoiceState give what the cumulative one gives,
     with the fast Rust decode or without it, stop strings and logprobs included."""
     from mstar.models.tokenizer import byte_tokenizer
-    from mstar.runtime.api_jobs import ChoiceState
-    from mstar.runtime.output_processor import OutputProcessor, fast_decode
-    from mstar.runtime.request import CoreOutput, SamplingParams, TokenLogprobs
+    from mstar.runtime.serving.api_jobs import ChoiceState
+    from mstar.runtime.engine.output_processor import OutputProcessor, fast_decode
+    from mstar.runtime.engine.request import CoreOutput, SamplingParams, TokenLogprobs
     tok = byte_tokenizer()
     assert fast_decode(tok) is not None
     text = " Hello w\u00f6rld, stop here \u4e16\u754c!"
@@ -232,9 +232,9 @@ def test_synthetic_prefill_time_is_paid_by_admitting_steps(monkeypatch):
     a step that only decodes does not."""
     import time
 
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.request import EngineRequest, SamplingParams
-    from mstar.runtime.synthetic_engine import SyntheticEngine
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.request import EngineRequest, SamplingParams
+    from mstar.runtime.engine.synthetic_engine import SyntheticEngine
     monkeypatch.setenv("SYNTH_STEPS_PER_S", "0")
     monkeypatch.setenv("SYNTH_PREFILL_MS", "60")
     eng = SyntheticEngine(EngineConfig(model=MODEL, max_num_seqs=4))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_helpers import single_thread  # noqa: F401 -- fixture
-from mstar.models.whisper_tokens import WhisperTokens
+from mstar.models.whisper.tokens import WhisperTokens
 from server_harness import ServerProc
 from whisper_helpers import clip, hf_whisper, wav_bytes, whisper_dir
 
@@ -43,7 +43,7 @@ def _file(x, name="clip.wav", sr=16000):
 
 
 def test_json_text_verbose_match_hf(client):
-    from mstar.models.audio import load_audio, log_mel_spectrogram
+    from mstar.models.whisper.audio import load_audio, log_mel_spectrogram
     x = clip(7.0, 523.0, seed=1)
     n = 10
     data = wav_bytes(x)

@@ -17,8 +17,8 @@ import torch
 from engine_helpers import VOCAB, hf_greedy, model_dir, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.models import parallel
-from mstar.runtime.config import EngineConfig
-from mstar.runtime.request import CoreOutput, EngineRequest, SamplingParams
+from mstar.runtime.engine.config import EngineConfig
+from mstar.runtime.engine.request import CoreOutput, EngineRequest, SamplingParams
 from tp_helpers import PS, closed_cleanly, run_greedy, tp_engine
 
 G32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -31,7 +31,7 @@ def short_collective_timeout(monkeypatch):
     """A bug that leaves a rank waiting fails the test in a minute, not in ten."""
     from datetime import timedelta
 
-    from mstar.runtime import tp as tpmod
+    from mstar.runtime.parallel import tp as tpmod
     monkeypatch.setattr(tpmod, "COLLECTIVE_TIMEOUT", timedelta(seconds=60))
 
 
@@ -105,7 +105,7 @@ def test_tp2_preemption(mode):
 
 def test_tp2_offline_llm_and_embedded_preset():
     # tiny-qwen3 preset: tied, vocab 259 (padded to 2 x 130), random weights drawn whole then sharded
-    from mstar.runtime.llm import LLM
+    from mstar.runtime.engine.llm import LLM
     ps = [[1, 2, 3, 4, 5], list(range(40, 80))]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with LLM("tiny-qwen3", dtype="float32", device="cpu", max_model_len=128, tp=2) as llm:
@@ -131,7 +131,7 @@ def test_invalid_tp_rejected():
 
 @pytest.mark.parametrize("where", ["load", "step"])
 def test_follower_error_surfaces_on_rank0(where, monkeypatch):
-    from mstar.runtime import tp as tpmod
+    from mstar.runtime.parallel import tp as tpmod
     monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, where, 3))
     if where == "load":
         with pytest.raises(tpmod.TPError, match="rank 1 failed:(.|\n)*injected fault: rank 1 at load"):
@@ -149,7 +149,7 @@ def test_follower_error_surfaces_on_rank0(where, monkeypatch):
 
 def test_engine_process_with_tp2():
     """The server's engine process starts a tp=2 engine, serves, and leaves no follower behind."""
-    from mstar.runtime.engine_process import EngineProcess
+    from mstar.runtime.engine.engine_process import EngineProcess
     cfg = EngineConfig(model=model_dir("qwen3"), dtype="float32", device="cpu", max_model_len=128, tp=2)
     ep = EngineProcess(cfg)
     ep.start()
@@ -185,10 +185,10 @@ def test_tp2_startup_phases_logged_and_close_is_quick(caplog, monkeypatch):
     import logging
     import re
 
-    from mstar.runtime import tp as tpmod
-    from mstar.runtime.llm import LLM
+    from mstar.runtime.parallel import tp as tpmod
+    from mstar.runtime.engine.llm import LLM
     monkeypatch.setattr(tpmod, "JOIN_TIMEOUT_S", 30.0)
-    caplog.set_level(logging.INFO, logger="mstar.runtime.tp")
+    caplog.set_level(logging.INFO, logger="mstar.runtime.parallel.tp")
     llm = LLM(model_dir("qwen3"), dtype="float32", device="cpu", max_model_len=128, tp=2)
     tp = llm.engine.tp
     procs = list(tp._procs)
@@ -202,7 +202,7 @@ def test_tp2_startup_phases_logged_and_close_is_quick(caplog, monkeypatch):
     assert not any(p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
     assert dt < 0.5, f"close() took {dt:.2f} s: {tp.close_timing}"
     assert tp.close_timing["monitor"] < 0.1
-    lines = [r.getMessage() for r in caplog.records if r.name == "mstar.runtime.tp"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mstar.runtime.parallel.tp"]
     num = r"(\d+(\.\d+)? (s|ms|us)|-)"
     for rank in (0, 1):
         found = [ln for ln in lines if ln.startswith(f"tp start-up rank {rank}: ")]
@@ -232,7 +232,7 @@ def test_tp2_startup_phases_logged_and_close_is_quick(caplog, monkeypatch):
 
 def test_step_stat_separates_the_first_step():
     """One huge step (a first step compiling kernels) no longer hides in a per-step mean."""
-    from mstar.runtime.tp import StepStat
+    from mstar.runtime.parallel.tp import StepStat
     s = StepStat()
     s.add(40.0)
     for i in range(2000):
@@ -502,7 +502,7 @@ def test_tp2_follower_dies_mid_chain(how, monkeypatch):
     steps are chained: rank 0 raises TPError, and the engine still closes cleanly."""
     import signal
 
-    from mstar.runtime import tp as tpmod
+    from mstar.runtime.parallel import tp as tpmod
     if how == "raise":
         monkeypatch.setattr(tpmod.TensorParallel, "_test_fault", (1, "chained", 4))
     core = tp_engine("qwen3", 2, max_num_seqs=8, decode_graphs="static", async_output="on")
@@ -532,13 +532,13 @@ def test_tp2_cuda_graphs_match_eager():
     """NCCL: every rank captures the decode graphs (all-reduces inside them) and replays them;
     tokens equal the eager tp=2 engine's, with overlapped decode (the default with captured
     graphs: chained steps broadcast their loop-back tokens) and without. Run on the two-GPU host."""
-    # the 0.6B preset's head shapes: the carried kernel cache holds their attention kernels
+    # the 0.6B preset's head shapes: a kernel cache built for the presets holds their attention kernels
     opts = dict(model=model_dir("qwen3-gpu"), device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                 max_model_len=256)
     ps = PS
     outs = []
     for graphs, overlap in (("auto", "auto"), ("auto", "off"), ("off", "auto")):
-        from mstar.runtime.engine_core import EngineCore
+        from mstar.runtime.engine.engine_core import EngineCore
         core = EngineCore(EngineConfig(decode_graphs=graphs, async_output=overlap, **opts))
         try:
             assert (core.graphs is not None and bool(core.graphs.graphs)) == (graphs == "auto")

@@ -13,7 +13,7 @@ import torch
 
 from mstar import knobs
 from mstar.models import parallel
-from mstar.runtime import tp_allreduce
+from mstar.runtime.parallel import tp_allreduce
 
 
 class _FakeDist:
@@ -86,7 +86,7 @@ def test_symm_mem_declines_what_the_kernel_cannot_take():
 def test_followers_take_rank0s_mode_not_their_environment():
     """Rank 0 reads MSTAR_TP_ALLREDUCE once and hands it to the followers. A knob set in rank
     0's process only (override, or a stale reload) must reach them: ranks that sum with different
-    all-reduces never pair up (session 8: a tp=2 test hung after one that left symm_mem behind)."""
+    all-reduces never pair up (a tp=2 test once hung after one that left symm_mem behind)."""
     from tp_helpers import closed_cleanly, tp_engine
     with knobs.override(MSTAR_TP_ALLREDUCE="symm_mem"):
         core = tp_engine("qwen3", 2)
@@ -105,8 +105,8 @@ def test_followers_take_rank0s_mode_not_their_environment():
 
 _ONE_ENGINE = r"""
 import json, sys
-from mstar.runtime.config import EngineConfig
-from mstar.runtime.engine_core import EngineCore
+from mstar.runtime.engine.config import EngineConfig
+from mstar.runtime.engine.engine_core import EngineCore
 from tp_helpers import PS, run_greedy
 core = EngineCore(EngineConfig(model=sys.argv[1], device="cuda", dtype="bfloat16", tp=2, max_num_seqs=8,
                                max_model_len=256))
@@ -123,13 +123,13 @@ def test_tp2_symm_mem_all_reduce_matches_nccl():
     """tp=2 with decode graphs and overlapped decode: the one-shot all-reduce on symmetric
     memory, and the fused all-reduce + add + RMSNorm, give the NCCL engine's tokens. Each engine
     in its own process: PyTorch's symmetric memory does not take a second rendezvous in a process
-    whose first group is gone (session 10: three engines in one process did not finish in 230 s)."""
+    whose first group is gone (three engines in one process did not finish in 230 s: notes/tp.md, Limits)."""
     import json
     import os
     import subprocess
     import sys
     from engine_helpers import model_dir
-    path = model_dir("qwen3-gpu")  # the 0.6B preset's head shapes: the carried kernel cache holds their kernels
+    path = model_dir("qwen3-gpu")  # the 0.6B preset's head shapes: a kernel cache built for the presets holds their kernels
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = []
     for mode in ("nccl", "symm_mem", "symm_mem_norm"):

@@ -141,7 +141,7 @@ def test_fused_kernel_as_one_rank_of_two_and_four():
 
 def test_the_runtime_declines_what_the_kernel_cannot_take():
     """Shapes and dtypes only (never pointers: every rank must decide alike)."""
-    from mstar.runtime import tp_allreduce
+    from mstar.runtime.parallel import tp_allreduce
     f = tp_allreduce.SymmMemReduceNorm.__new__(tp_allreduce.SymmMemReduceNorm)
     f.dtype, f.capacity = torch.bfloat16, 64 * 8
     f.kernel = lambda *a: "fused"

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from mstar.runtime import tp_group
+from mstar.runtime.parallel import tp_group
 
 
 def _fake_group(monkeypatch, backend: str, calls: list, hang_s: float = 0.0):
@@ -71,8 +71,8 @@ class _Graph:
 def test_runners_release_every_graph():
     from types import SimpleNamespace
 
-    from mstar.runtime.cuda_graphs import DecodeGraphRunner
-    from mstar.runtime.prefill_graphs import PrefillGraphRunner
+    from mstar.runtime.graphs.cuda_graphs import DecodeGraphRunner
+    from mstar.runtime.graphs.prefill_graphs import PrefillGraphRunner
     log: list = []
     dec = SimpleNamespace(graphs={1: _Graph(log, "d1"), 8: _Graph(log, "d8")})
     pre = SimpleNamespace(graphs={16: [_Graph(log, "p16.0"), _Graph(log, "p16.1")], 32: [_Graph(log, "p32.0")]})
@@ -86,8 +86,9 @@ def test_runners_release_every_graph():
 def test_rank0_releases_its_graphs_before_the_group(monkeypatch):
     """EngineCore.close at tp = 2 (gloo, static graphs): the graph runners, then the group."""
     from engine_helpers import model_dir
-    from mstar.runtime import engine_core, tp
-    from mstar.runtime.config import EngineConfig
+    from mstar.runtime.engine import engine_core
+    from mstar.runtime.parallel import tp
+    from mstar.runtime.engine.config import EngineConfig
     order: list = []
     real_graphs, real_group = engine_core.release_graphs, tp.release_group
 

@@ -1,6 +1,6 @@
 """Triton kernels compiled for the H200 (sm_90) on this CPU machine: the interpreter runs a
 kernel's Python, not Triton's compiler, so a kernel it passes can still fail to compile (a name
-typed differently in two branches did, in session 8). triton.compile needs no GPU."""
+typed differently in two branches did: notes/gpu-2026-11-30-idle-gather.md). triton.compile needs no GPU."""
 
 from __future__ import annotations
 

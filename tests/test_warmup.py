@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import assert_no_leaks, engine, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 
 def _reqs(ps):
@@ -56,8 +56,8 @@ def test_warm_up_is_off_on_cpu_by_default_and_checks_its_value():
 
 def test_warm_up_that_is_refused_is_skipped(caplog, monkeypatch):
     """If the warm-up request is refused (RequestError), the engine starts cold instead of failing."""
-    from mstar.runtime.engine_core import EngineCore
-    from mstar.runtime.request import RequestError
+    from mstar.runtime.engine.engine_core import EngineCore
+    from mstar.runtime.engine.request import RequestError
 
     def refuse(self, req):
         raise RequestError("prompt", "refused for the test")
@@ -74,7 +74,7 @@ def test_warm_up_covers_one_row_and_a_ragged_multi_row_prefill(kind, monkeypatch
     """Kernels compile a variant per shape class (Triton: integers == 1 or % 16; FlashInfer and
     fla: the batch layout). The warm-up must meet a one-row prefill and a several-row prefill whose
     token count is no multiple of 16, each in one step, so a served request meets neither first."""
-    from mstar.runtime.step_inputs import StepInputBuilder
+    from mstar.runtime.engine.step_inputs import StepInputBuilder
 
     seen = []
     build = StepInputBuilder.build

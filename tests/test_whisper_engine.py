@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine_helpers import assert_no_leaks, single_thread  # noqa: F401 -- fixture
-from mstar.models.whisper_tokens import WhisperTokens
-from mstar.runtime.request import EngineRequest, RequestError, SamplingParams
+from mstar.models.whisper.tokens import WhisperTokens
+from mstar.runtime.engine.request import EngineRequest, RequestError, SamplingParams
 from whisper_helpers import clip, hf_whisper, wav_bytes, whisper_dir
 
 TOK = WhisperTokens.from_vocab_size(51866)
@@ -30,8 +30,8 @@ def model_and_tok():
 
 
 def make_engine(model_and_tok, **opts):
-    from mstar.runtime.config import EngineConfig
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
     model, tok = model_and_tok
     opts.setdefault("page_size", 4)
     opts.setdefault("max_num_seqs", 4)
@@ -46,7 +46,7 @@ def waves():
 
 @pytest.fixture(scope="module")
 def hf_ref(waves):
-    from mstar.models.audio import log_mel_spectrogram
+    from mstar.models.whisper.audio import log_mel_spectrogram
     hf = hf_whisper()
     feats = log_mel_spectrogram([torch.from_numpy(w) for w in waves], n_mels=128)
     out = {}
@@ -90,10 +90,10 @@ def test_engine_tokens_match_hf_generate(model_and_tok, waves, hf_ref, language,
         run_graph = core.graphs.run
         core.graphs.run = lambda rows, **kw: calls.append(len(rows.decode_tokens)) or run_graph(rows, **kw)
     prompt = TOK.decoder_prompt(language, task)
-    reqs = {0: [EngineRequest("a0", prompt, forced(), audio=waves[0]),
-                EngineRequest("a1", prompt, forced(), audio=waves[1])],
-            2: [EngineRequest("a2", prompt, forced(), audio=waves[2])],
-            5: [EngineRequest("a3", prompt, forced(), audio=waves[3])]}
+    reqs = {0: [EngineRequest("a0", prompt, forced(), encoder_input=waves[0]),
+                EngineRequest("a1", prompt, forced(), encoder_input=waves[1])],
+            2: [EngineRequest("a2", prompt, forced(), encoder_input=waves[2])],
+            5: [EngineRequest("a3", prompt, forced(), encoder_input=waves[3])]}
     got = run(core, reqs)
     ref = hf_ref[language, task]
     for i in range(4):
@@ -111,11 +111,11 @@ def test_features_input_and_preemption_reencode(model_and_tok, waves, hf_ref, mo
     """Few pages: sequences are preempted (recomputed or offloaded), lose their cross slot
     and are encoded again on re-admission; tokens stay equal to HF. Log-mel features work as
     the audio input too."""
-    from mstar.models.audio import log_mel_spectrogram
+    from mstar.models.whisper.audio import log_mel_spectrogram
     core = make_engine(model_and_tok, num_pages=9, max_num_seqs=4, preemption_mode=mode)
     prompt = TOK.decoder_prompt("en")
     feats = log_mel_spectrogram([torch.from_numpy(w) for w in waves], n_mels=128)
-    reqs = {0: [EngineRequest(f"p{i}", prompt, forced(), audio=feats[i] if i % 2 else waves[i]) for i in range(4)]}
+    reqs = {0: [EngineRequest(f"p{i}", prompt, forced(), encoder_input=feats[i] if i % 2 else waves[i]) for i in range(4)]}
     got = run(core, reqs)
     assert core.scheduler.num_preemptions > 0
     assert core.stats()["encoder_num_encoded"] > 4
@@ -136,7 +136,7 @@ def test_abort_storm_frees_cross_slots(model_and_tok, waves):
             n += 1
             p = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5,
                                temperature=rng.choice([0.0, 1.0]), seed=n)
-            core.add_request(EngineRequest(rid, prompt, p, audio=waves[rng.randrange(4)][:rng.randint(800, 48000)]))
+            core.add_request(EngineRequest(rid, prompt, p, encoder_input=waves[rng.randrange(4)][:rng.randint(800, 48000)]))
             live.add(rid)
         if live and rng.random() < 0.5:
             victims = rng.sample(sorted(live), k=rng.randint(1, len(live)))
@@ -158,29 +158,29 @@ def test_abort_storm_frees_cross_slots(model_and_tok, waves):
 def test_request_errors(model_and_tok, waves):
     core = make_engine(model_and_tok)
     prompt = TOK.decoder_prompt("en")
-    with pytest.raises(RequestError, match="audio"):
+    with pytest.raises(RequestError, match="encoder_input"):
         core.add_request(EngineRequest("x", prompt, forced()))  # no audio
-    with pytest.raises(RequestError, match="audio"):
-        core.add_request(EngineRequest("y", prompt, forced(), audio=np.zeros(480001, np.float32)))
-    with pytest.raises(RequestError, match="audio"):
-        core.add_request(EngineRequest("z", prompt, forced(), audio=np.zeros((80, 3000), np.float32)))
+    with pytest.raises(RequestError, match="encoder_input"):
+        core.add_request(EngineRequest("y", prompt, forced(), encoder_input=np.zeros(480001, np.float32)))
+    with pytest.raises(RequestError, match="encoder_input"):
+        core.add_request(EngineRequest("z", prompt, forced(), encoder_input=np.zeros((80, 3000), np.float32)))
     with pytest.raises(RequestError, match="context"):
-        core.add_request(EngineRequest("w", prompt, SamplingParams(max_tokens=445), audio=waves[0]))
+        core.add_request(EngineRequest("w", prompt, SamplingParams(max_tokens=445), encoder_input=waves[0]))
     assert_no_leaks(core)
 
 
 def test_llm_engine_refuses_audio():
     from engine_helpers import engine
     core = engine("qwen3")
-    with pytest.raises(RequestError, match="no audio"):
-        core.add_request(EngineRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), audio=np.zeros(100, np.float32)))
+    with pytest.raises(RequestError, match="no encoder input"):
+        core.add_request(EngineRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), encoder_input=np.zeros(100, np.float32)))
 
 
 def test_llm_transcribe_windows_detection_and_verbose(model_and_tok, waves, hf_ref):
-    from mstar.models.audio import AudioError
-    from mstar.runtime.llm import LLM
+    from mstar.models.whisper.audio import AudioError
+    from mstar.runtime.engine.llm import LLM
     llm = LLM.__new__(LLM)  # share the module's model: build the LLM around a ready engine
-    from mstar.runtime.output_processor import OutputProcessor
+    from mstar.runtime.engine.output_processor import OutputProcessor
     import itertools
     llm.engine = make_engine(model_and_tok)
     llm.config = llm.engine.config
@@ -213,7 +213,7 @@ def test_cache_manager_cross_slots():
     """The cross slot pool alone: admission needs a slot, free / offload give it back,
     reload / fork take one (fork copies the K/V), no prefix caching, check() sees leaks."""
     from mstar.models.context import AttentionLayerSpec, CacheSpec, CrossAttentionSpec
-    from mstar.runtime.cache_manager import CacheManager
+    from mstar.runtime.caches.cache_manager import CacheManager
     a = AttentionLayerSpec(2, 4)
     spec = CacheSpec(attention=(a, a), cross=CrossAttentionSpec(layers=(a, a), max_source_len=6))
     cm = CacheManager(spec, num_pages=16, page_size=4, num_slots=0, dtype=torch.float32, device="cpu",
@@ -250,10 +250,10 @@ def test_cache_manager_cross_slots():
 def test_warm_up_transcribes_silence_and_leaves_no_trace(model_and_tok, waves, monkeypatch):
     """Whisper's start-up warm-up (one second of silence): later transcriptions equal a cold
     engine's, and every cross slot, page and counter is back where it was."""
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.engine_core import EngineCore
     tok = WhisperTokens.from_vocab_size(model_and_tok[0].config.vocab_size)
     prompt = tok.decoder_prompt("en", "transcribe")
-    reqs = lambda: {0: [EngineRequest(str(i), prompt, forced(), audio=w) for i, w in enumerate(waves)]}  # noqa: E731
+    reqs = lambda: {0: [EngineRequest(str(i), prompt, forced(), encoder_input=w) for i, w in enumerate(waves)]}  # noqa: E731
     cold = run(make_engine(model_and_tok, warmup="off"), reqs())
     steps, step = [], EngineCore.step
     monkeypatch.setattr(EngineCore, "step", lambda self: steps.append(1) or step(self))
@@ -277,9 +277,9 @@ def test_overlapped_decode_applies_the_suppress_masks(model_and_tok, waves):
     for overlap in (False, True):
         core = make_engine(model_and_tok, decode_graphs="static", async_output=overlap, admit_min_free=0)
         core.default_suppress = tuple(i for i in range(core.vocab_size) if i not in allowed)
-        outs.append(run(core, {0: [EngineRequest("a0", prompt, sp, audio=waves[0]),
-                                   EngineRequest("a1", prompt, sp, audio=waves[1])],
-                               2: [EngineRequest("a2", prompt, sp, audio=waves[3])]}))
+        outs.append(run(core, {0: [EngineRequest("a0", prompt, sp, encoder_input=waves[0]),
+                                   EngineRequest("a1", prompt, sp, encoder_input=waves[1])],
+                               2: [EngineRequest("a2", prompt, sp, encoder_input=waves[3])]}))
         if overlap:
             assert core.overlap is not None and core.overlap.num_chained > 0
         assert_no_leaks(core)

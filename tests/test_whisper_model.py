@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from model_harness import Harness, rel_err
-from mstar.models import whisper_presets
-from mstar.models.audio import log_mel_spectrogram
+from mstar.models.whisper import presets as whisper_presets
+from mstar.models.whisper.audio import log_mel_spectrogram
 from mstar.models.context import CrossAttentionMetadata, ForwardContext, ModelCaches
-from mstar.models.whisper import build_whisper, load_whisper
-from mstar.models.whisper_tokens import WhisperPromptError, WhisperTokens, apply_suppression
+from mstar.models.whisper.model import build_whisper, load_whisper
+from mstar.models.whisper.tokens import WhisperPromptError, WhisperTokens, apply_suppression
 
 TOL = 1e-4
 VOCAB = 51866  # the large-v3 token layout (100 languages)

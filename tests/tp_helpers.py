@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from engine_helpers import model_dir, prompts, run_all
 from mstar.models import parallel
-from mstar.runtime.config import EngineConfig
-from mstar.runtime.request import EngineRequest, SamplingParams
+from mstar.runtime.engine.config import EngineConfig
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 PS = prompts(5, 2, 40, seed=77)  # different lengths, some over a page
 
 
 def tp_engine(kind_or_dir: str, tp: int, **opts):
-    from mstar.runtime.engine_core import EngineCore
+    from mstar.runtime.engine.engine_core import EngineCore
     opts.setdefault("dtype", "float32")
     opts.setdefault("device", "cpu")
     opts.setdefault("max_model_len", 256)

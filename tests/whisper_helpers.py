@@ -21,7 +21,7 @@ def hf_whisper():
 @functools.lru_cache(maxsize=None)
 def whisper_dir() -> str:
     """config.json + generation_config.json + safetensors + tokenizer of the tiny Whisper."""
-    from mstar.models.whisper_tokenizer import whisper_byte_tokenizer
+    from mstar.models.whisper.tokenizer import whisper_byte_tokenizer
     path = os.path.join(tempfile.mkdtemp(prefix="mstar-whisper-tests-"), "tiny-whisper")
     hf = hf_whisper()
     hf.save_pretrained(path)

@@ -1,4 +1,4 @@
-"""`python -m mstar.bench.gate`: the correctness gate of issue 6. mstar's greedy tokens against
+"""`python -m mstar.bench.gate`: the correctness gate. mstar's greedy tokens against
 HF transformers' `generate` on the same model, at several batch sizes.
 
     python -m mstar.bench.gate --model qwen3.5-0.8b --batch-sizes 1 8 32 --out gate.json
@@ -78,7 +78,7 @@ max_diff in fp32 / bf16:
   layers.3.self_attn.qkv_proj      0.73 / 0.72   norm (the final one)            0.53 / 0.57
   layers.3.input_layernorm         0.12 / 0.17   layers.1.linear_attn.A_log      0.097 / 0.18
   layers.3.self_attn.q_norm        0.033 / 0.10
-(in_proj_qkv and in_proj_zba are one parameter, linear_attn.in_proj, since session 10.)
+(in_proj_qkv and in_proj_zba are one parameter, linear_attn.in_proj, since 8d5ec4f.)
 The token check fails only the first (layer 0's in_proj_qkv). With the logprob check the gate
 fails all 17 in fp32 (the smallest, q_norm, at 3x the 0.01 floor; noise 1e-5) and 14 in bf16,
 all but the last three (tolerance max(0.25, 2.5 x 0.101): 2.3x under the final norm's 0.57,
@@ -315,7 +315,7 @@ class HFReference:
         """HF's own logprobs after `ids` (the sequence alone; the model in the run dtype, on the
         path its generate takes) as mstar reports them: TokenLogprobs of `token` and the top
         `top`. The logprob check's yardstick: how far HF itself is from the referee."""
-        from mstar.runtime.request import TokenLogprobs
+        from mstar.runtime.engine.request import TokenLogprobs
         key = (*ids, -1, token, top)
         if key not in self._own:
             with torch.inference_mode(), torch_only_reference(self.cpu):

@@ -1,5 +1,5 @@
-"""`python -m mstar.bench.offline`: throughput of the offline engine (no HTTP), the BENCH.md
-shape of request: random prompt token ids, a fixed number of output tokens (ignore_eos),
+"""`python -m mstar.bench.offline`: throughput of the offline engine (no HTTP), with the serving
+benchmark's shape of request: random prompt token ids, a fixed number of output tokens (ignore_eos),
 greedy. `--concurrency c` caps the running batch (max_num_seqs = c) and submits
 N = max(4c, 64) requests at once, which the engine runs as a closed loop of c.
 

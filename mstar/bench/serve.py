@@ -1,4 +1,4 @@
-"""`python -m mstar.bench.serve`: the LLM serving benchmark (shared/design/BENCH.md).
+"""`python -m mstar.bench.serve`: the LLM serving benchmark (protocol: notes/benchmarks.md).
 
 Closed loop against any OpenAI-compatible server (mstar, vLLM, SGLang):
 

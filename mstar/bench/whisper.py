@@ -1,4 +1,4 @@
-"""`python -m mstar.bench.whisper`: the Whisper serving benchmark (shared/design/BENCH.md).
+"""`python -m mstar.bench.whisper`: the Whisper serving benchmark (protocol: notes/benchmarks.md).
 
 Protocol: 10-second 16 kHz clips, 32 output tokens (EOS ignored), 64 requests, closed loop
 at concurrency 1 / 4 / 16; reported: requests per second and first-token p90.
@@ -190,7 +190,7 @@ class _Launched:
         self.keep = args.server_log is not None  # the log stays where --server-log puts it
         self.log = open(args.server_log, "w+") if self.keep else \
             tempfile.NamedTemporaryFile("w+", prefix="mstar-whisper-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "mstar.runtime.serve", "--model", args.model, "--port", "0", "--no-access-log",
+        cmd = [sys.executable, "-m", "mstar.runtime.serving.serve", "--model", args.model, "--port", "0", "--no-access-log",
                "--max-num-seqs", str(max(args.concurrency))]
         if not os.path.isdir(args.model):
             cmd.append("--random-weights")
@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="whisper-large-v3", help="Served model name (or preset / dir with --launch).")
     p.add_argument("--api-key", default=None, help="Bearer token for a server started with --api-key.")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
-                   help="Closed-loop concurrency levels (BENCH.md: 1 4 16).")
+                   help="Closed-loop concurrency levels (the protocol's: 1 4 16).")
     p.add_argument("--num-requests", type=int, default=64, help="Timed requests per concurrency level.")
     p.add_argument("--num-warmup", type=int, default=None, help="Untimed requests first (default: c).")
     p.add_argument("--clip-seconds", type=float, default=10.0, help="Length of each synthetic 16 kHz clip.")

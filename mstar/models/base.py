@@ -5,12 +5,15 @@ every model does the same way: embedding, the pre-norm residual stream (fused
 add + RMSNorm between sub-layers), the final norm, the LM head (tied or not), binding
 the runtime's caches, loading checkpoint tensors by name, and random initialisation.
 
-The runtime-facing API (keep it stable):
+The runtime-facing API of a token generator (keep it stable; other model kinds declare
+theirs through interfaces.py):
     cache_spec() -> CacheSpec          bind_caches(ModelCaches)
     forward(ForwardContext) -> [T, hidden] hidden states after the final norm
     compute_logits(hidden) -> [N, vocab] float32
+    greedy_tokens(hidden) -> [N] int64 (compute_logits(hidden).argmax(-1), without gathering at tp > 1)
+    forward_segments() -> segments.DecoderSegments | None (piecewise prefill graphs)
     load_weights(iterable of (name, tensor))
-    eos_token_ids, config, dtype, device
+    eos_token_ids, config, dtype, device, reads_device_loopback
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class DecoderLM(nn.Module):
     _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
     zero_centered_norm = False
     # The model's decode graphs may read their input tokens (and positions) from device
-    # buffers the runtime's sampler writes (MSTAR_INGRAPH_DECODE_TOKENS, runtime/decode_masters.py):
+    # buffers the runtime's sampler writes (MSTAR_INGRAPH_DECODE_TOKENS, runtime/graphs/decode_masters.py):
     # True only where the forward reads nothing of ctx.input_ids / ctx.positions on the host.
     # False: the sampler writes nothing per step for it and the knob has no effect.
     reads_device_loopback = False
@@ -170,10 +173,12 @@ class DecoderLM(nn.Module):
         return [layer.mixer for layer in self.model.layers if not layer.uses_rope]
 
     # --- caches -----------------------------------------------------------------------------
+    def memory_specs(self) -> list:
+        """The per-request memory the model needs, as typed specs (context.CacheSpec.from_specs)."""
+        return [m.spec() for m in self.attention_layers] + [m.spec() for m in self.state_layers]
+
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(attention=tuple(m.spec() for m in self.attention_layers),
-                         state=tuple(m.spec() for m in self.state_layers),
-                         state_dtype=getattr(torch, knobs.value("MSTAR_GDN_STATE_DTYPE")))
+        return CacheSpec.from_specs(self.memory_specs(), state_dtype=getattr(torch, knobs.value("MSTAR_GDN_STATE_DTYPE")))
 
     def _bind_paged_kv(self, caches: ModelCaches) -> None:
         """Check the paged K/V pools against the attention layers and bind them."""
@@ -210,6 +215,19 @@ class DecoderLM(nn.Module):
             h, residual = layer(ctx, h, residual, self.rope)
         out, _ = self.model.norm.add_forward(h, residual)
         return out
+
+    def segments_unsupported(self) -> str | None:
+        """None if the forward can be given as segments (forward_segments), else why not."""
+        from mstar.models.segments import DecoderSegments
+        return DecoderSegments.unsupported(self)
+
+    def forward_segments(self):
+        """The forward cut at the mixer cores (segments.py), for piecewise prefill graphs; None
+        when the model cannot be cut."""
+        if self.segments_unsupported() is not None:
+            return None
+        from mstar.models.segments import DecoderSegments
+        return DecoderSegments(self)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -47,8 +47,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
+    """Paged K/V of one attention layer (and what a decode plan of it needs: query heads, scale)."""
     num_kv_heads: int
     head_dim: int
+    num_q_heads: int = 0
+    scale: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def cross_page_size(max_source_len: int) -> int:
     decode splits a row's keys across thread blocks only at page boundaries, so one 1500-position
     page gives a row's cross-attention one block per head. Measured on the H200 (large-v3, batch 1):
     the decode graph replay went 3721 -> 3512 us with pages of 60; most of the step was elsewhere
-    (the LayerNorm's reference kernels, notes/gpu-2026-11-30-s6.md)."""
+    (the LayerNorm's reference kernels, notes/gpu-2026-11-30-gate-knobs-whisper.md)."""
     return max(d for d in range(1, min(64, max_source_len) + 1) if max_source_len % d == 0)
 
 
@@ -114,6 +117,27 @@ class CacheSpec:
     state: tuple[StateLayerSpec, ...] = ()
     state_dtype: torch.dtype = torch.float32  # recurrent state dtype
     cross: CrossAttentionSpec | None = None  # encoder-decoder models: one cross slot per request
+
+    @classmethod
+    def from_specs(cls, specs, state_dtype: torch.dtype = torch.float32) -> "CacheSpec":
+        """From a model's per-request memory as a list of typed specs, in layer order: paged K/V
+        (AttentionLayerSpec), recurrent-state slots (StateLayerSpec) and at most one per-request
+        slot of fixed-length K/V (CrossAttentionSpec: an encoder's output, filled on admission)."""
+        specs = list(specs)
+        cross = [s for s in specs if isinstance(s, CrossAttentionSpec)]
+        if len(cross) > 1:
+            raise ValueError("a model has at most one per-request slot spec")
+        known = (AttentionLayerSpec, StateLayerSpec, CrossAttentionSpec)
+        odd = [type(s).__name__ for s in specs if not isinstance(s, known)]
+        if odd:
+            raise ValueError(f"unknown memory specs: {odd}")
+        return cls(attention=tuple(s for s in specs if isinstance(s, AttentionLayerSpec)),
+                   state=tuple(s for s in specs if isinstance(s, StateLayerSpec)), state_dtype=state_dtype,
+                   cross=cross[0] if cross else None)
+
+    def specs(self) -> list:
+        """The typed specs, as from_specs takes them."""
+        return [*self.attention, *self.state, *([self.cross] if self.cross is not None else [])]
 
     def cross_bytes_per_sequence(self, dtype: torch.dtype) -> int:
         return self.cross.bytes_per_sequence(dtype) if self.cross is not None else 0

@@ -16,67 +16,24 @@ from typing import Iterator
 
 import torch
 
-from mstar.models import parallel, presets
+from mstar.models import parallel, presets, registry
 from mstar.models.base import DecoderLM, WeightLoadError
 
 log = logging.getLogger("mstar.models")
-
-_QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5")
-_QWEN3_TYPES = ("qwen3",)
-
 
 def _read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
 
 
-def _eos_ids(*values) -> tuple[int, ...]:
-    out: list[int] = []
-    for v in values:
-        if v is None:
-            continue
-        for x in ([v] if isinstance(v, int) else v):
-            if int(x) not in out:
-                out.append(int(x))
-    return tuple(out)
-
-
 def _config_from_dir(path: str):
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json")
-    raw = _read_json(cfg_path)
-    if raw.get("model_type") == "whisper":
-        from mstar.models.whisper import whisper_config_from_dir
-        return whisper_config_from_dir(path)
-    from transformers import Qwen3_5TextConfig, Qwen3Config
-    if isinstance(raw.get("text_config"), dict):  # multimodal checkpoint: take its text model
-        text = dict(raw["text_config"])
-        mt = text.get("model_type", "qwen3_5_text")
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if key not in text and key in raw:
-                text[key] = raw[key]
-        if "tie_word_embeddings" in raw:  # the top-level model ties (or not) the head
-            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
-    else:
-        text = dict(raw)
-        mt = text.get("model_type", "")
-    text.pop("architectures", None)
-    if mt in _QWEN3_5_TYPES:
-        text["model_type"] = "qwen3_5_text"
-        cfg = Qwen3_5TextConfig.from_dict(text)
-    elif mt in _QWEN3_TYPES:
-        cfg = Qwen3Config.from_dict(text)
-    else:
-        raise ValueError(f"{cfg_path}: model_type {mt!r} is not supported (qwen3_5, qwen3_5_text, qwen3)")
-    gen_path = os.path.join(path, "generation_config.json")
-    gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
-    cfg.eos_token_id = list(_eos_ids(gen_eos, cfg.eos_token_id, raw.get("eos_token_id")))
-    return cfg
+    raw = registry.read_config_json(path)
+    fam = registry.family_of_model_type(registry.checkpoint_model_type(raw))
+    return fam.config_from_dir(path, raw)
 
 
 def resolve_config(name_or_dir: str):
-    """The transformers text config (Qwen3_5TextConfig / Qwen3Config) of a directory or preset."""
+    """The config (a transformers config object) of a directory or preset, read by its family."""
     if os.path.isdir(name_or_dir):
         return _config_from_dir(name_or_dir)
     p = presets.get(name_or_dir)
@@ -86,18 +43,9 @@ def resolve_config(name_or_dir: str):
     return presets.make_config(p)
 
 
-def model_class(config) -> type[DecoderLM]:
-    mt = getattr(config, "model_type", "")
-    if mt in _QWEN3_5_TYPES:
-        from mstar.models.qwen3_5 import Qwen3_5ForCausalLM
-        return Qwen3_5ForCausalLM
-    if mt in _QWEN3_TYPES:
-        from mstar.models.qwen3 import Qwen3ForCausalLM
-        return Qwen3ForCausalLM
-    if mt == "whisper":
-        from mstar.models.whisper import WhisperForConditionalGeneration
-        return WhisperForConditionalGeneration
-    raise ValueError(f"model_type {mt!r} is not supported")
+def model_class(config) -> type:
+    """The class the config's family builds (registry.py)."""
+    return registry.family_of_config(config).model_class(config)
 
 
 def build_model(config, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta") -> DecoderLM:

@@ -8,7 +8,7 @@ Each rank's shapes come from the model itself, built on meta inside
 group is needed until a forward), so the sharding arithmetic is parallel.py's and the
 layers', not re-derived here.
 
-Cache sizing mirrors `mstar.runtime.config.size_caches` for a decoder model on CUDA with
+Cache sizing mirrors `mstar.runtime.engine.config.size_caches` for a decoder model on CUDA with
 `num_pages` left to the engine: the budget is `CACHE_FRACTION` of the free memory after the
 model is loaded (the smallest over the ranks), minus one state slot per running sequence,
 minus the prefix cache's state snapshots (a quarter of what is left, at most 4 per running
@@ -129,7 +129,7 @@ class CacheUse:
 def default_snapshot_slots(num_seqs: int, budget_left: int, state_bytes: int) -> int:
     """The prefix cache's state snapshot slots (hybrid models): a quarter of the budget left
     after the running sequences' states, at most 4 per running sequence, at least min(8, 4n).
-    The engine sizes its pools with this too (mstar.runtime.config.size_caches)."""
+    The engine sizes its pools with this too (mstar.runtime.engine.config.size_caches)."""
     snap = int(min(4 * num_seqs, max(budget_left, 0) // 4 // max(state_bytes, 1)))
     return max(snap, min(8, 4 * num_seqs))
 

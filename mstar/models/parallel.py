@@ -86,7 +86,7 @@ def single_rank():
 # Layers call these only when their own tp size (read at construction) is > 1, with the
 # group they captured then.
 # A faster sum for the default group that the runtime may install once the process group is up
-# (runtime/tp_allreduce.py): called with x, it sums in place and returns True, or returns False
+# (runtime/parallel/tp_allreduce.py): called with x, it sums in place and returns True, or returns False
 # for a tensor it does not take (dtype, size), which then goes through torch.distributed.
 _FAST_ALL_REDUCE: list = [None]
 

@@ -77,9 +77,9 @@ def load_tokenizer(name_or_dir: str):
     p = presets.get(name_or_dir)
     if p is None:
         raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset ({', '.join(presets.names())})")
-    if p.embedded:
-        return byte_tokenizer()
-    if p.model_type == "whisper":  # random-weight presets: a byte-level tokenizer with Whisper's layout
-        from mstar.models.whisper_tokenizer import whisper_byte_tokenizer
-        return whisper_byte_tokenizer(int(p.config["vocab_size"]))
-    raise ValueError(f"preset {p.name!r} has no built-in tokenizer: pass the checkpoint directory instead")
+    from mstar.models import registry
+    fam = registry.family_of_preset(p)
+    tok = fam.preset_tokenizer(p) if fam.preset_tokenizer is not None else None
+    if tok is None:
+        raise ValueError(f"preset {p.name!r} has no built-in tokenizer: pass the checkpoint directory instead")
+    return tok

@@ -5,14 +5,14 @@ so that `python -m mstar.runtime.knobs` and friends stay light).
 """
 
 _LAZY = {
-    "LLM": "mstar.runtime.llm",
-    "SamplingParams": "mstar.runtime.request",
-    "EngineRequest": "mstar.runtime.request",
-    "RequestError": "mstar.runtime.request",
-    "EngineConfig": "mstar.runtime.config",
-    "EngineCore": "mstar.runtime.engine_core",
-    "OutputProcessor": "mstar.runtime.output_processor",
-    "RequestOutput": "mstar.runtime.output_processor",
+    "LLM": "mstar.runtime.engine.llm",
+    "SamplingParams": "mstar.runtime.engine.request",
+    "EngineRequest": "mstar.runtime.engine.request",
+    "RequestError": "mstar.runtime.engine.request",
+    "EngineConfig": "mstar.runtime.engine.config",
+    "EngineCore": "mstar.runtime.engine.engine_core",
+    "OutputProcessor": "mstar.runtime.engine.output_processor",
+    "RequestOutput": "mstar.runtime.engine.output_processor",
 }
 
 

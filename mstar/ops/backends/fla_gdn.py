@@ -170,9 +170,9 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
 
 register_backend(gdn.gdn_prefill, "fla", gdn_prefill, available=torch.cuda.is_available, priority=20,
                  note="fla chunk kernel; snapshots in rounds")
-# opt-in (MSTAR_BACKENDS=gdn_prefill_fused=fla) until it measures better than the composed ops: on the H200
-# (session 8) its device time per 4B prefill step equalled theirs (the prep kernel, one program per row and
-# head, took 85 us a layer) and the host time moved by less than the run-to-run spread
+# opt-in (MSTAR_BACKENDS=gdn_prefill_fused=fla): on the H200 its device time per 4B prefill step equalled the
+# composed ops' (the prep kernel, then one program per row and head, took 85 us a layer) and the host time
+# moved by less than the run-to-run spread (notes/gpu-2026-11-30-idle-gather.md)
 register_backend(gdn.gdn_prefill_fused, "fla", gdn_prefill_fused, available=torch.cuda.is_available, priority=-2,
                  note="one Triton launch for the split, norms and gates; fla's chunk kernel with grouped q, k")
 register_backend(gdn.gdn_decode, "fla", gdn_decode, available=torch.cuda.is_available, priority=10,

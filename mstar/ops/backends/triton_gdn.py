@@ -2,8 +2,8 @@
 
 fla's fused recurrent kernel takes a dense batch of states, so serving with it means a
 gather from the pool before and a scatter after: three passes over the state, which is
-what a decode step at large batch is bound by (ARCHITECTURE.md: the state, not the
-weights, dominates the bytes at batch 128). This kernel reads each row's state once from
+what a decode step at large batch is bound by (at batch 128 the state, not the
+weights, dominates the bytes a decode step moves). This kernel reads each row's state once from
 its slot and writes it back once.
 
 Grid: (rows, heads, Dv blocks). A program holds the [Dk, BV] block of one head's state in
@@ -125,7 +125,7 @@ def _gdn_prefill_prep_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_
     # then v heads with their gates), with the composed path's rounding points: q, k
     # normalised in fp32 and stored in the input dtype, g in fp32, beta = sigmoid(b) in b's
     # dtype. q and k keep their HK heads (the chunk kernel maps value head h to key head
-    # h // (HV // HK)). Session 8's first version took one row per program: 85 us a layer
+    # h // (HV // HK)). One row per program took 85 us a layer at 4B (377e7af)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = rows < T
     j = tl.program_id(1)

@@ -2,7 +2,7 @@
 registers, float32 arithmetic. The reference makes five or six kernels of one LayerNorm in a
 half dtype (the input, weight and bias cast to float32, the norm, the cast back, and the
 residual add): in Whisper's decoder step they were ~1500 of ~3300 us of device time at batch 1
-(notes/gpu-2026-11-30-s6.md). Here it is one kernel, one read of each input, one write of each
+(notes/gpu-2026-11-30-gate-knobs-whisper.md). Here it is one kernel, one read of each input, one write of each
 output."""
 
 from __future__ import annotations

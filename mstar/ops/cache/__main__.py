@@ -27,7 +27,7 @@ def _human(n: float) -> str:
     return str(n)
 
 
-# kernels the op bench (bench/cases.py) runs on CUDA: bf16 activations and weights, zero-centred norms
+# kernels the op bench (mstar/bench/ops/cases.py) runs on CUDA: bf16 activations and weights, zero-centred norms
 BENCH_HIDDEN = (1024, 2560)
 BENCH_GDN = ((128, 128),)
 
@@ -49,7 +49,7 @@ def specs_for(presets: list[str], bench: bool, dtype: str) -> list:
             specs.append((cute_norm.K_ADD, cute_norm.norm_params("add_rms", h, dtype, dtype, True)))
         for dk, dv in BENCH_GDN:
             specs.append((cute_norm.K_GATED, cute_norm.norm_params("gated", dv, dtype, dtype)))
-            # bench/cases.py: g float32, beta in the activation dtype, slots int64
+            # mstar/bench/ops/cases.py: g float32, beta in the activation dtype, slots int64
             specs.append((cute_gdn.K_DECODE, cute_gdn.decode_params(dk, dv, dtype, dtype, "float32", dtype)))
     seen, out = set(), []
     for k, p in specs:
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Compile ahead of time every CuTe kernel that a preset calls on CUDA "
                                    "(and the op-bench shapes with --bench). Needs nvidia-cutlass-dsl; no GPU.")
     b.add_argument("--preset", action="append", help="preset name (repeatable; default qwen3.5-0.8b unless --bench)")
-    b.add_argument("--bench", action="store_true", help="also the shapes bench/test_ops.py runs on CUDA")
+    b.add_argument("--bench", action="store_true", help="also the shapes mstar/bench/ops/test_ops.py runs on CUDA")
     b.add_argument("--arch", default="sm_90a", help="target GPU architecture (default sm_90a: H100/H200)")
     b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="activation and weight dtype (default bfloat16)")

@@ -3,9 +3,9 @@
 Triton builds a kernel variant per specialisation (integer arguments == 1 or % 16, dtypes,
 constexprs; an autotuner builds one per config). The first use of a variant in a process is a
 load from the on-disk cache (kernel_cache/triton, milliseconds) or a compile (seconds). A served
-request that meets one stalls its whole step: on a fresh H200 host (session 7) the 9B TP2
-server's first c8 / c32 requests waited 1.3 / 2.1 s (TTFT p90) for variants the start-up
-warm-up had not built.
+request that meets one stalls its whole step: on a fresh H200 host the 9B TP2 server's first
+c8 / c32 requests waited 1.3 / 2.1 s (TTFT p90) for variants the start-up warm-up had not built
+(notes/gpu-2026-11-30-tp2-9b.md).
 
 `install()` chains onto Triton's jit_cache_hook (called before a variant is built) and
 jit_post_compile_hook (after), process-wide, once; it never changes what Triton does (the

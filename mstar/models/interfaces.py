@@ -1,0 +1,158 @@
+"""What a model family declares to the runtime: its capabilities, the per-request memory it
+needs, its stages, and the typed outputs it produces. The runtime reads only these (and the
+registry, registry.py); it never imports a family or names a model's layers.
+
+Capabilities (a family's `capabilities`, a frozenset of these names):
+    GENERATES_TOKENS   an autoregressive LM: /v1/completions, /v1/chat/completions
+    TRANSCRIBES        speech in, text out (an encoder stage, then the autoregressive stage):
+                       /v1/audio/transcriptions, /v1/audio/translations
+    SYNTHESIZES_SPEECH text in, audio out: /v1/audio/speech
+    GENERATES_IMAGES   text in, images out: /v1/images/generations
+    GENERATES_VIDEO    text (and an image) in, frames out: /v1/videos
+    RECURRENT_STATE    per-request recurrent state (state slots, snapshots for the prefix cache)
+    DEVICE_LOOPBACK    decode graphs may read their input tokens from device buffers the sampler
+                       writes (MSTAR_INGRAPH_DECODE_TOKENS)
+
+Per-request memory (a model's `memory_specs()`): a list of the typed specs below. The cache
+manager allocates each kind; a model binds the tensors it is given (ModelCaches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+GENERATES_TOKENS = "generates_tokens"
+TRANSCRIBES = "transcribes"
+SYNTHESIZES_SPEECH = "synthesizes_speech"
+GENERATES_IMAGES = "generates_images"
+GENERATES_VIDEO = "generates_video"
+RECURRENT_STATE = "recurrent_state"
+DEVICE_LOOPBACK = "device_loopback"
+CAPABILITIES = frozenset({GENERATES_TOKENS, TRANSCRIBES, SYNTHESIZES_SPEECH, GENERATES_IMAGES, GENERATES_VIDEO,
+                          RECURRENT_STATE, DEVICE_LOOPBACK})
+
+
+def capabilities_of(model) -> frozenset[str]:
+    """The capabilities a model instance declares (class attribute `capabilities`)."""
+    return frozenset(getattr(model, "capabilities", ()) or ())
+
+
+# --- typed outputs: what a stage hands the API process ----------------------------------------
+@dataclass
+class AudioChunk:
+    """Mono PCM, float32 in [-1, 1], at `sample_rate` Hz; `final`: the last chunk of a request."""
+    pcm: np.ndarray
+    sample_rate: int
+    final: bool = True
+
+
+@dataclass
+class Image:
+    """One image, uint8 [height, width, 3] RGB."""
+    pixels: np.ndarray
+
+
+@dataclass
+class VideoFrames:
+    """Frames, uint8 [frames, height, width, 3] RGB, at `fps` frames per second."""
+    frames: np.ndarray
+    fps: float
+    final: bool = True
+
+
+MediaOutput = AudioChunk | Image | VideoFrames
+
+
+# --- stages: how a request's work is batched ------------------------------------------------
+@dataclass
+class MediaRequest:
+    """A request of a non-autoregressive stage: the route's validated fields (`inputs`, e.g.
+    {"text": ..., "voice": ...} or {"prompt": ..., "width": ..., "height": ...}) and a seed."""
+    request_id: str
+    inputs: dict[str, Any]
+    seed: int = 0
+
+
+@dataclass
+class OneShotStage:
+    """One forward per batch: `run(requests) -> one list of outputs per request`. Requests with
+    the same `batch_key(request)` are batched, at most `max_batch` per call."""
+    run: Callable[[list[MediaRequest]], list[list[MediaOutput]]]
+    batch_key: Callable[[MediaRequest], Any] = lambda r: None
+    max_batch: int = 8
+    kind: str = "one_shot"
+
+
+@dataclass
+class FixedStepLoopStage:
+    """A fixed-step loop (denoising): `start(requests) -> state` for a batch of same-key requests,
+    `step(state, i)` for i in range(num_steps(state)), `finish(state) -> one list of outputs per
+    request`. Requests join a batch only at its start; classifier-free guidance is the family's
+    business (extra batch rows inside its state)."""
+    start: Callable[[list[MediaRequest]], Any]
+    step: Callable[[Any, int], Any]
+    finish: Callable[[Any], list[list[MediaOutput]]]
+    num_steps: Callable[[Any], int]
+    batch_key: Callable[[MediaRequest], Any] = lambda r: None
+    max_batch: int = 8
+    kind: str = "fixed_step_loop"
+
+
+@dataclass
+class Pipeline:
+    """The stages of a non-autoregressive family, run in order: each stage's outputs of a request
+    become the next stage's `inputs["previous"]`; the last stage's outputs go to the client.
+
+    `accepts`: what the routes may send, checked by the API before a request is admitted
+    (plain values: it travels to the API process). Keys the routes read, each optional:
+        sizes           allowed "WxH" strings (images, videos); the first is the default
+        voices          allowed voice names (speech; absent: any)
+        max_input_chars longest text input (speech input, image / video prompt)
+        max_frames      most frames of a video; fps: its frame rate
+    """
+    stages: list = field(default_factory=list)
+    accepts: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the runtime hooks of a token-generating family ------------------------------------------
+@dataclass
+class WarmupRequest:
+    """One start-up warm-up request: prompt ids and the admission stage's input (or None)."""
+    prompt_ids: list[int]
+    encoder_input: Any = None
+
+
+class AdmissionStage:
+    """Work run once per admitted request, batched over the step's admissions, before its first
+    forward: an encoder that fills the request's slot of `CacheSpec.cross` (Whisper's audio
+    encoder). A preempted or offloaded request loses its slot and runs it again on readmission."""
+
+    def check(self, encoder_input) -> str | None:
+        """None if the input can be run, else what is wrong with it (a client error)."""
+        return None
+
+    def run(self, inputs: list, slots: list[int]) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+
+class EngineHooks:
+    """What a token-generating family adds to the autoregressive engine (registry.Family
+    .engine_hooks(model, name_or_dir) builds one; the defaults add nothing)."""
+
+    admission: AdmissionStage | None = None
+
+    def suppress_defaults(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(ids never sampled, ids not sampled as the first generated token) of requests that
+        do not give their own lists."""
+        return (), ()
+
+    def warmup_rounds(self, vocab_size: int, max_len: int, page_size: int) -> list[list[WarmupRequest]] | None:
+        """The start-up warm-up's rounds (requests of one step each); None: the runtime's default
+        (short token prompts)."""
+        return None

@@ -1,0 +1,357 @@
+"""The stage engine: a non-autoregressive family's `Pipeline` (interfaces.py) behind the driving
+API of EngineCore that the engine process uses (add_request, abort, step, has_unfinished,
+has_running, num_unfinished, stats, close).
+
+    engine = StageEngine(config)            # the pipeline of registry.family_of(config.model)
+    engine.add_request(EngineRequest(rid, [], SamplingParams(), media=MediaRequest(rid, inputs, seed)))
+    while engine.has_unfinished():
+        for out in engine.step():           # CoreOutput(media=[AudioChunk | Image | VideoFrames ...])
+            ...
+
+A request goes through the pipeline's stages in order. At each stage it waits in that stage's
+queue, grouped by the stage's `batch_key`. One engine step visits the stages in order:
+
+  one-shot stage         one batch (at most max_batch requests) of one key runs: the key whose
+                         oldest request has waited longest
+  fixed-step loop stage  every running batch advances by one step (a batch past its last step
+                         finishes); then, for every key with requests waiting and no batch
+                         running, a batch of them (at most max_batch) starts, with its first step
+
+so batches of different keys (image sizes) interleave step by step, and an abort takes effect
+between two steps. A request whose stage finished joins the next stage's queue with the outputs
+as `inputs["previous"]` (in the same engine step: later stages are visited after it); after the
+last stage its outputs leave as one CoreOutput(media=outputs, finish_reason="stop").
+
+An aborted request leaves at once: from its queue, or from its running loop batch (a batch whose
+requests are all aborted is dropped, with its state; one that still has others runs on, and the
+aborted rows' outputs are discarded). Its CoreOutput(finish_reason="abort") comes with the next
+step. An exception inside a stage function (or outputs of the wrong shape) fails the requests of
+that batch only: CoreOutput(finish_reason="error", error=...), the traceback in the engine's log.
+
+The engine adds no host synchronisation of its own: whatever the stage functions return is handed
+on as it is (the outputs are numpy arrays by contract: they are pickled to the API process).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import time
+from typing import Any, Iterable
+
+from mstar.models import interfaces as I
+from mstar.runtime.engine.request import CoreOutput, EngineRequest, RequestError
+
+logger = logging.getLogger("mstar.stage_engine")
+
+
+class _Req:
+    __slots__ = ("key", "media", "order", "rid", "stage")
+
+    def __init__(self, rid: str, media: I.MediaRequest, order: int):
+        self.rid, self.media, self.order = rid, media, order
+        self.stage = 0
+        self.key: Any = None
+
+
+class _Batch:
+    """A running batch of a fixed-step loop stage."""
+    __slots__ = ("i", "key", "n", "reqs", "stage", "state")
+
+    def __init__(self, stage: int, key, reqs: list[_Req], state, n: int):
+        self.stage, self.key, self.reqs, self.state, self.n = stage, key, reqs, state, n
+        self.i = 0
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class StageEngine:
+    """Runs a Pipeline's stages over batches of MediaRequests (see the module docstring)."""
+
+    is_encoder_decoder = False
+
+    def __init__(self, config, *, family=None, pipeline: I.Pipeline | None = None):
+        self.config = config
+        t0 = time.perf_counter()
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        if family is None and pipeline is None:
+            from mstar.models import registry
+            family = registry.family_of(config.model)
+        self.family = family
+        self.capabilities: frozenset[str] = frozenset(family.capabilities) if family is not None else frozenset()
+        if pipeline is None:
+            if family.pipeline is None:
+                raise ValueError(f"model: the family {family.name!r} has no stage pipeline (it is a token "
+                                 "generator: EngineCore serves it)")
+            pipeline = family.pipeline(config.model, dtype=self.dtype, device=self.device,
+                                       random_weights=config.random_weights, seed=config.seed)
+        if not isinstance(pipeline, I.Pipeline) or not pipeline.stages:
+            raise ValueError(f"model: the pipeline of {config.model!r} has no stages")
+        for k, st in enumerate(pipeline.stages):
+            if not isinstance(st, (I.OneShotStage, I.FixedStepLoopStage)):
+                raise ValueError(f"stage {k} of {config.model!r} is a {type(st).__name__}, not a OneShotStage "
+                                 "or FixedStepLoopStage")
+            if not isinstance(st.max_batch, int) or st.max_batch < 1:
+                raise ValueError(f"stage {k} of {config.model!r}: max_batch must be a positive integer")
+        self.pipeline = pipeline
+        self.stages = list(pipeline.stages)
+        self.accepts = dict(pipeline.accepts or {})
+        # what the engine process reports at start-up: a stage engine reads no tokens
+        self.vocab_size = 0
+        self.max_model_len = 0
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.model_name = str(config.model)
+        self.phase_timer = None
+        # per stage: key -> the requests waiting with that key, oldest first (dict: first-seen key order)
+        self._waiting: list[dict[Any, collections.deque[_Req]]] = [{} for _ in self.stages]
+        self._running: list[list[_Batch]] = [[] for _ in self.stages]  # loop stages only
+        self._reqs: dict[str, _Req] = {}  # every request not yet finished
+        self._pending: list[CoreOutput] = []  # aborts and refusals found between steps
+        self._order = itertools.count()
+        self.num_waiting = 0
+        # what the last step() did: (stage, "run" | "start" | "step" | "finish", key, requests)
+        self.last_step: list[tuple[int, str, Any, int]] = []
+        self.num_steps = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_failed = 0
+        self.stage_batches = [0] * len(self.stages)
+        self.stage_rows = [0] * len(self.stages)
+        self.stage_seconds = [0.0] * len(self.stages)
+        logger.info("stage engine for %s: %d stage(s) (%s) on %s in %.2f s", config.model, len(self.stages),
+                    ", ".join(s.kind for s in self.stages), self.device, time.perf_counter() - t0)
+
+    # -- the driving API ------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        media = getattr(req, "media", None)
+        if not isinstance(media, I.MediaRequest):
+            raise RequestError("model", f"{self.config.model} generates media: it takes media requests "
+                                        "(/v1/audio/speech, /v1/images/generations, /v1/videos), not token prompts")
+        if req.request_id in self._reqs:
+            raise RequestError("request_id", f"request {req.request_id!r} is already running")
+        if not isinstance(media.inputs, dict):
+            raise RequestError("input", "the request's inputs must be a dict")
+        r = _Req(req.request_id, media, next(self._order))
+        self._reqs[r.rid] = r
+        try:
+            self._enqueue(r, 0)
+        except BaseException:
+            del self._reqs[r.rid]
+            raise
+
+    def add_requests(self, reqs: Iterable[EngineRequest]) -> None:
+        for r in reqs:
+            self.add_request(r)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Free what the requests hold now; their CoreOutput(finish_reason="abort") comes with the
+        next step()."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            r = self._reqs.pop(rid, None)
+            if r is None:
+                continue
+            self.num_aborted += 1
+            self._pending.append(CoreOutput(rid, [], None, finish_reason="abort"))
+            q = self._waiting[r.stage].get(r.key)
+            if q is not None and r in q:
+                q.remove(r)
+                self.num_waiting -= 1
+                if not q:
+                    del self._waiting[r.stage][r.key]
+                continue
+            running = self._running[r.stage]
+            for b in running:
+                if r in b.reqs and not any(x.rid in self._reqs for x in b.reqs):
+                    running.remove(b)  # nobody left in it: drop it, state and all
+                    b.state = None
+                    break
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs) or bool(self._pending)
+
+    def has_running(self) -> bool:
+        """A loop batch in flight or outputs to emit: the next step cannot wait for arrivals."""
+        return bool(self._pending) or any(self._running)
+
+    def num_unfinished(self) -> int:
+        return len(self._reqs)
+
+    def step(self) -> list[CoreOutput]:
+        outputs, self._pending = self._pending, []
+        self.last_step = trace = []
+        self.num_steps += 1
+        grad = _no_grad()
+        with grad:
+            for k, stage in enumerate(self.stages):
+                if isinstance(stage, I.OneShotStage):
+                    self._one_shot(k, stage, outputs, trace)
+                else:
+                    self._loop(k, stage, outputs, trace)
+        return outputs
+
+    def stats(self) -> dict:
+        running = sum(1 for bs in self._running for b in bs for r in b.reqs if r.rid in self._reqs)
+        d = {"running": running, "waiting": self.num_waiting, "kv_pages_used": 0, "kv_usage": 0.0,
+             "num_steps": self.num_steps, "num_finished": self.num_finished, "num_aborted": self.num_aborted,
+             "num_failed": self.num_failed, "max_model_len": self.max_model_len}
+        for k in range(len(self.stages)):
+            d[f"stage{k}_batches"] = self.stage_batches[k]
+            d[f"stage{k}_rows"] = self.stage_rows[k]
+            d[f"stage{k}_seconds"] = self.stage_seconds[k]
+        return d
+
+    def close(self) -> None:
+        close = getattr(self.pipeline, "close", None)
+        if callable(close):
+            close()
+
+    # -- queues -------------------------------------------------------------------------------
+    def _enqueue(self, r: _Req, stage: int) -> None:
+        """Into the queue of `stage`, under its batch key (a key the family cannot compute for the
+        inputs is the client's mistake at the first stage, a family's bug later)."""
+        st = self.stages[stage]
+        try:
+            key = st.batch_key(r.media)
+            hash(key)
+        except Exception as e:  # noqa: BLE001
+            raise RequestError("input", f"the model cannot batch this request ({_error_text(e)})") from None
+        r.stage, r.key = stage, key
+        q = self._waiting[stage].get(key)
+        if q is None:
+            q = self._waiting[stage][key] = collections.deque()
+        q.append(r)
+        self.num_waiting += 1
+
+    def _take(self, stage: int, key, n: int) -> list[_Req]:
+        q = self._waiting[stage][key]
+        batch = [q.popleft() for _ in range(min(n, len(q)))]
+        if not q:
+            del self._waiting[stage][key]
+        self.num_waiting -= len(batch)
+        return batch
+
+    # -- stages -------------------------------------------------------------------------------
+    def _one_shot(self, k: int, stage: I.OneShotStage, outputs: list, trace: list) -> None:
+        waiting = self._waiting[k]
+        if not waiting:
+            return
+        key = min(waiting, key=lambda kk: waiting[kk][0].order)  # the longest-waiting request's key
+        batch = self._take(k, key, stage.max_batch)
+        trace.append((k, "run", key, len(batch)))
+        t0 = time.perf_counter()
+        try:
+            results = stage.run([r.media for r in batch])
+            self._check_results(results, len(batch))
+        except Exception as e:  # noqa: BLE001 -- only this batch fails
+            self._fail(k, batch, e, outputs)
+            return
+        finally:
+            self._account(k, len(batch), t0)
+        self._advance(k, batch, results, outputs)
+
+    def _loop(self, k: int, stage: I.FixedStepLoopStage, outputs: list, trace: list) -> None:
+        running = self._running[k]
+        for b in list(running):
+            self._advance_batch(k, stage, b, outputs, trace)
+        waiting = self._waiting[k]
+        if not waiting:
+            return
+        busy = {b.key for b in running}
+        for key in [kk for kk in waiting if kk not in busy]:
+            batch = self._take(k, key, stage.max_batch)
+            trace.append((k, "start", key, len(batch)))
+            t0 = time.perf_counter()
+            try:
+                state = stage.start([r.media for r in batch])
+                n = int(stage.num_steps(state))
+            except Exception as e:  # noqa: BLE001
+                self._fail(k, batch, e, outputs)
+                continue
+            finally:
+                self._account(k, len(batch), t0)
+            b = _Batch(k, key, batch, state, n)
+            running.append(b)
+            self._advance_batch(k, stage, b, outputs, trace)  # its first step comes with its start
+
+    def _advance_batch(self, k: int, stage: I.FixedStepLoopStage, b: _Batch, outputs: list, trace: list) -> None:
+        """One step of a running batch; past its last step it finishes (its requests move on)."""
+        running = self._running[k]
+        t0 = time.perf_counter()
+        try:
+            if b.i < b.n:
+                trace.append((k, "step", b.key, len(b.reqs)))
+                r = stage.step(b.state, b.i)
+                if r is not None:  # a step may return the new state (or update it in place)
+                    b.state = r
+                b.i += 1
+            if b.i >= b.n:
+                running.remove(b)
+                trace.append((k, "finish", b.key, len(b.reqs)))
+                state, b.state = b.state, None
+                results = stage.finish(state)
+                self._check_results(results, len(b.reqs))
+                self._advance(k, b.reqs, results, outputs)
+        except Exception as e:  # noqa: BLE001
+            if b in running:
+                running.remove(b)
+            b.state = None
+            self._fail(k, b.reqs, e, outputs)
+        finally:
+            self.stage_seconds[k] += time.perf_counter() - t0
+
+    def _account(self, k: int, rows: int, t0: float) -> None:
+        self.stage_batches[k] += 1
+        self.stage_rows[k] += rows
+        self.stage_seconds[k] += time.perf_counter() - t0
+
+    @staticmethod
+    def _check_results(results, n: int) -> None:
+        if not isinstance(results, (list, tuple)) or len(results) != n:
+            got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+            raise TypeError(f"the stage returned {got} output lists for {n} requests")
+        for outs in results:
+            if not isinstance(outs, (list, tuple)):
+                raise TypeError(f"a request's outputs must be a list, got {type(outs).__name__}")
+
+    def _advance(self, k: int, batch: list[_Req], results, outputs: list) -> None:
+        """The stage's outputs of each live request: on to the next stage, or out."""
+        last = k == len(self.stages) - 1
+        for r, outs in zip(batch, results):
+            if self._reqs.get(r.rid) is not r:  # aborted while its batch ran
+                continue
+            if last:
+                del self._reqs[r.rid]
+                self.num_finished += 1
+                outputs.append(CoreOutput(r.rid, [], None, finish_reason="stop", media=list(outs)))
+                continue
+            r.media = I.MediaRequest(r.media.request_id, {**r.media.inputs, "previous": list(outs)}, r.media.seed)
+            try:
+                self._enqueue(r, k + 1)
+            except RequestError as e:
+                self._fail(k + 1, [r], e, outputs)
+
+    def _fail(self, k: int, batch: list[_Req], e: BaseException, outputs: list) -> None:
+        live = [r for r in batch if self._reqs.get(r.rid) is r]
+        if not live:
+            return
+        logger.error("stage %d (%s) failed for %d request(s)", k, self.stages[k].kind, len(live), exc_info=e)
+        msg = _error_text(e)
+        for r in live:
+            del self._reqs[r.rid]
+            self.num_failed += 1
+            outputs.append(CoreOutput(r.rid, [], None, finish_reason="error", error=msg))
+
+
+def _no_grad():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - a pipeline without torch
+        return contextlib.nullcontext()
+    return torch.inference_mode()

@@ -1,0 +1,429 @@
+"""The media routes, for models that run on the stage engine (stage_engine.py): each request is
+one or more engine sequences carrying an interfaces.MediaRequest; their typed outputs
+(AudioChunk, Image, VideoFrames) come back on the job and are encoded here.
+
+POST /v1/audio/speech (SYNTHESIZES_SPEECH), OpenAI's schema:
+    model, input (text, required, at most accepts["max_input_chars"] or 4096 characters), voice
+    (one of accepts["voices"] when the model lists them), response_format wav (default) | pcm
+    (16-bit signed little-endian mono at the model's rate; x-sample-rate says which), speed
+    (0.25..4), instructions; stream_format "audio": the body streams (chunked) as the model's
+    audio chunks arrive, a WAV stream's header giving no length; absent: the whole file. seed: an
+    extra (default 0).
+POST /v1/images/generations (GENERATES_IMAGES), OpenAI's schema:
+    model, prompt (required), n (1..10: n sequences, seeds seed, seed+1, ...), size "WxH" (one
+    of accepts["sizes"]; default the first), response_format b64_json (PNG), output_format png,
+    seed (default: random), user. Response {"created", "data": [{"b64_json"}, ...]}.
+POST /v1/videos (GENERATES_VIDEO), minimal and synchronous:
+    model, prompt (required), size, seconds or num_frames (at most accepts["max_frames"]), seed.
+    Response {"id", "object": "video", "status": "completed", "frames": [b64 PNG, ...], "fps", ...}.
+
+Errors: a field that is wrong is a 400 in OpenAI's error schema (param names it); a model that
+fails on a request is a 500 (internal_error), for that request only. A client that goes away
+aborts its sequences in the engine at once (streaming or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import re
+import secrets
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mstar.models import interfaces as I
+from mstar.runtime.serving import api_protocol as P
+from mstar.runtime.serving.api_checks import check_model
+from mstar.runtime.serving.api_jobs import ClientGone, Job, until_done_or_gone
+from mstar.runtime.serving.api_protocol import APIError, bad
+
+logger = logging.getLogger("mstar.server")
+
+SPEECH_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
+                           "seed"})
+IMAGE_FIELDS = frozenset({"model", "prompt", "n", "size", "response_format", "output_format", "seed", "user"})
+VIDEO_FIELDS = frozenset({"model", "prompt", "size", "seconds", "num_frames", "seed", "user"})
+MAX_SPEECH_CHARS = 4096  # OpenAI's limit on `input`
+MAX_PROMPT_CHARS = 4000
+MAX_IMAGES = 10
+AUDIO_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+
+
+# -- encoders ----------------------------------------------------------------------------------
+def pcm16(x: np.ndarray) -> bytes:
+    """Float samples in [-1, 1] as 16-bit signed little-endian PCM (clipped, rounded)."""
+    a = np.clip(np.asarray(x, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    return np.rint(a * 32767.0).astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, n_samples: int | None = None) -> bytes:
+    """A 44-byte header of mono 16-bit PCM; n_samples None: a stream of unknown length (the
+    sizes are 0xFFFFFFFF, as streaming servers write them)."""
+    data = 0xFFFFFFFF if n_samples is None else 2 * n_samples
+    riff = 0xFFFFFFFF if n_samples is None else 36 + data
+    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, 1, sample_rate,
+                       2 * sample_rate, 2, 16, b"data", data)
+
+
+def _png_chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    """uint8 [H, W, 3] RGB as a PNG file (PIL when installed, else written here: 8-bit RGB, no
+    filtering, one zlib stream)."""
+    px = np.ascontiguousarray(pixels, dtype=np.uint8)
+    if px.ndim != 3 or px.shape[2] != 3:
+        raise ValueError(f"an image must be [height, width, 3] uint8, got shape {tuple(px.shape)}")
+    try:
+        import io
+
+        from PIL import Image as PILImage
+    except ImportError:
+        h, w, _ = px.shape
+        rows = np.zeros((h, 1 + 3 * w), dtype=np.uint8)  # a 0 byte (filter: none) before each row
+        rows[:, 1:] = px.reshape(h, 3 * w)
+        ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+        return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
+                + _png_chunk(b"IEND", b""))
+    buf = io.BytesIO()
+    PILImage.fromarray(px, "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _b64_png(pixels: np.ndarray) -> str:
+    return base64.b64encode(png_bytes(pixels)).decode("ascii")
+
+
+# -- fields ------------------------------------------------------------------------------------
+def _unknown(body: dict, allowed: frozenset[str]) -> None:
+    for k in body:
+        if k not in allowed:
+            raise bad(k, f"Unrecognized request argument supplied: {k}", "unrecognized_argument")
+
+
+def _text(body: dict, name: str, limit: int, required: bool = True) -> str | None:
+    v = P._str(body, name)
+    if v is None:
+        if required:
+            raise bad(name, f"Missing required parameter: '{name}'.", "missing_required_parameter")
+        return None
+    if required and not v.strip():
+        raise bad(name, f"Invalid '{name}': the text is empty.", "invalid_value")
+    if len(v) > limit:
+        raise bad(name, f"Invalid '{name}': string too long. Expected a string with maximum length {limit}, "
+                        f"but got a string with length {len(v)} instead.", "string_above_max_length")
+    return v
+
+
+def _choice(body: dict, name: str, allowed, default):
+    v = P._str(body, name, default)
+    if v not in allowed:
+        raise bad(name, f"Invalid '{name}': {v!r} is not supported; use one of {', '.join(map(str, allowed))}.",
+                  "invalid_value")
+    return v
+
+
+def _seed(body: dict, default: int | None) -> int:
+    v = P._int(body, "seed")
+    if v is None:
+        return secrets.randbits(62) if default is None else default
+    return v % P.MAX_SEED
+
+
+def _size(server, body: dict) -> tuple[int, int, str]:
+    sizes = [str(s) for s in server.accepts.get("sizes") or ()]
+    v = P._str(body, "size", sizes[0] if sizes else None)
+    if v is None or v == "auto":
+        if not sizes:
+            raise bad("size", "Missing required parameter: 'size' (\"WIDTHxHEIGHT\").", "missing_required_parameter")
+        v = sizes[0]
+    m = _SIZE.match(v)
+    if m is None:
+        raise bad("size", f"Invalid 'size': {v!r} is not \"WIDTHxHEIGHT\".", "invalid_value")
+    if sizes and v not in sizes:
+        raise bad("size", f"Invalid 'size': {v!r} is not supported by this model; use one of {', '.join(sizes)}.",
+                  "invalid_value")
+    return int(m.group(1)), int(m.group(2)), v
+
+
+def _max_chars(server, default: int) -> int:
+    v = server.accepts.get("max_input_chars")
+    return int(v) if isinstance(v, int) and v > 0 else default
+
+
+# -- jobs --------------------------------------------------------------------------------------
+async def start_media_job(server, request: Request, endpoint: str, items: list[tuple[dict, int]]) -> Job:
+    """Admit a request's media sequences ((inputs, seed) each) and send them to the engine."""
+    job = Job(server, endpoint, len(items))
+    await server.admission.acquire(job.n_admitted, request)
+    try:
+        server.check_alive()
+        server.submit_media(job, [(i, inputs, seed) for i, (inputs, seed) in enumerate(items)], request.state.arrival)
+    except BaseException as e:
+        job.close("error" if not isinstance(e, APIError) or e.status >= 500 else "bad_request")
+        if isinstance(e, APIError):
+            e.counted = True
+        raise
+    return job
+
+
+async def collect_media(request: Request, job: Job) -> list[list]:
+    """Every sequence's outputs (one list per sequence, in order); the job is closed with its
+    outcome (a client that goes away aborts it at once)."""
+    outs: list[list] = [[] for _ in range(job.n_admitted)]
+
+    async def collect():
+        async for i, o in job.events():
+            outs[i].extend(o.media or ())
+
+    try:
+        await until_done_or_gone(request, collect())
+    except ClientGone:
+        job.close("aborted")
+        raise ClientGone(counted=True) from None
+    except APIError as e:
+        job.close("error" if e.status >= 500 else "bad_request")
+        e.counted = True
+        raise
+    except BaseException:
+        job.close("error")
+        raise
+    job.close("success")
+    return outs
+
+
+def _typed(outs: list, kind: type, what: str) -> list:
+    got = [o for o in outs if isinstance(o, kind)]
+    if not got:
+        raise APIError(500, f"The model returned no {what}.", code="internal_error")
+    return got
+
+
+async def _encode(server, fn, *args):
+    """Encoding (PNG, base64) off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(server.pool, fn, *args)
+
+
+# -- POST /v1/audio/speech ---------------------------------------------------------------------
+async def speech(server, request: Request, body: dict):
+    _unknown(body, SPEECH_FIELDS)
+    check_model(server.settings, P._str(body, "model"))
+    text = _text(body, "input", _max_chars(server, MAX_SPEECH_CHARS))
+    voices = [str(v) for v in server.accepts.get("voices") or ()]
+    voice = P._str(body, "voice", voices[0] if voices else None)
+    if voice is not None and (len(voice) > 64 or (voices and voice not in voices)):
+        raise bad("voice", f"Invalid 'voice': {voice[:64]!r} is not supported"
+                           + (f"; use one of {', '.join(voices)}." if voices else "."), "invalid_value")
+    fmt = _choice(body, "response_format", tuple(AUDIO_TYPES), "wav")
+    speed = P._num(body, "speed", 1.0)
+    if not 0.25 <= speed <= 4.0:
+        raise bad("speed", f"Invalid 'speed': must be in [0.25, 4.0], got {speed:g}.", "invalid_value")
+    stream_format = P._str(body, "stream_format")
+    if stream_format not in (None, "audio"):
+        raise bad("stream_format", f"Invalid 'stream_format': {stream_format!r} is not supported; use 'audio' "
+                                   "(or leave it out for the whole file).", "invalid_value")
+    instructions = _text(body, "instructions", MAX_SPEECH_CHARS, required=False)
+    seed = _seed(body, 0)
+    inputs = {"text": text, "voice": voice, "speed": speed}
+    if instructions is not None:
+        inputs["instructions"] = instructions
+    job = await start_media_job(server, request, "speech", [(inputs, seed)])
+    headers = {"x-request-id": f"speech-{uuid.uuid4().hex[:16]}"}
+    if stream_format == "audio":
+        return await _stream_speech(request, job, fmt, headers)
+    (outs,) = await collect_media(request, job)
+    chunks = _typed(outs, I.AudioChunk, "audio")
+    rate = _rate(chunks)
+    pcm = b"".join(pcm16(c.pcm) for c in chunks)
+    data = (wav_header(rate, len(pcm) // 2) + pcm) if fmt == "wav" else pcm
+    headers["x-sample-rate"] = str(rate)
+    return Response(data, media_type=AUDIO_TYPES[fmt], headers=headers)
+
+
+def _rate(chunks: list, rate: int | None = None) -> int:
+    for c in chunks:
+        r = int(c.sample_rate)
+        if rate is None:
+            rate = r
+        elif r != rate:
+            raise APIError(500, f"The model's audio changed sample rate ({rate} -> {r} Hz).", code="internal_error")
+    return rate
+
+
+async def _stream_speech(request: Request, job: Job, fmt: str, headers: dict):
+    """The audio as it comes: the first outputs are awaited here (a failure before any audio is
+    still an error response), then the body streams."""
+    events = job.events()
+
+    async def first():
+        while True:
+            _, o = await events.__anext__()
+            if o.media or o.finished:
+                return o
+
+    try:
+        o = await until_done_or_gone(request, first())
+    except ClientGone:
+        job.close("aborted")
+        raise ClientGone(counted=True) from None
+    except APIError as e:
+        job.close("error" if e.status >= 500 else "bad_request")
+        e.counted = True
+        raise
+    except StopAsyncIteration:
+        job.close("error")
+        raise APIError(500, "The model returned no audio.", code="internal_error") from None
+    except BaseException:
+        job.close("error")
+        raise
+    chunks = [c for c in (o.media or ()) if isinstance(c, I.AudioChunk)]
+    if not chunks:
+        job.close("error")
+        raise APIError(500, "The model returned no audio.", code="internal_error")
+    rate = _rate(chunks)
+    headers["x-sample-rate"] = str(rate)
+
+    async def body() -> AsyncIterator[bytes]:
+        if fmt == "wav":
+            yield wav_header(rate)
+        for c in chunks:  # one body part per audio chunk
+            yield pcm16(c.pcm)
+        done = o.finished
+        while not done:
+            _, u = await events.__anext__()
+            done = u.finished
+            part = [c for c in (u.media or ()) if isinstance(c, I.AudioChunk)]
+            _rate(part, rate)
+            for c in part:
+                yield pcm16(c.pcm)
+
+    return JobStream(job, body(), AUDIO_TYPES[fmt], headers)
+
+
+class JobStream(StreamingResponse):
+    """A job's bytes as a chunked body. The job is closed with its outcome when the body ends; a
+    client that goes away aborts it at once; a failure after the body began drops the connection
+    without the final chunk (the client sees a truncated response, not a short success)."""
+
+    def __init__(self, job: Job, chunks: AsyncIterator[bytes], media_type: str, headers: dict):
+        super().__init__(chunks, status_code=200, media_type=media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self.job = job
+        self.chunks = chunks
+
+    async def __call__(self, scope, receive, send) -> None:
+        job = self.job
+
+        async def pump():
+            outcome = "error"
+            try:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                try:
+                    async for b in self.chunks:
+                        if b:
+                            await send({"type": "http.response.body", "body": b, "more_body": True})
+                    outcome = "success"
+                except APIError as e:
+                    logger.warning("stream failed: %s", e.message)
+                except Exception:  # noqa: BLE001
+                    logger.exception("stream failed")
+            except asyncio.CancelledError:
+                outcome = "aborted"
+                raise
+            finally:
+                job.close(outcome)
+            if outcome == "success":
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def listen():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        pump_t = asyncio.ensure_future(pump())
+        listen_t = asyncio.ensure_future(listen())
+        try:
+            await asyncio.wait({pump_t, listen_t}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump_t, listen_t):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(pump_t, listen_t, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.chunks.aclose()
+            job.close("aborted")  # a no-op when the pump closed it
+
+
+# -- POST /v1/images/generations ---------------------------------------------------------------
+async def images(server, request: Request, body: dict):
+    _unknown(body, IMAGE_FIELDS)
+    model = check_model(server.settings, P._str(body, "model"))
+    prompt = _text(body, "prompt", _max_chars(server, MAX_PROMPT_CHARS))
+    n = P._int(body, "n", 1, lo=1, hi=MAX_IMAGES)
+    w, h, size = _size(server, body)
+    _choice(body, "response_format", ("b64_json",), "b64_json")
+    _choice(body, "output_format", ("png",), "png")
+    P._str(body, "user")
+    seed = _seed(body, None)
+    items = [({"prompt": prompt, "width": w, "height": h, "size": size}, (seed + j) % P.MAX_SEED) for j in range(n)]
+    job = await start_media_job(server, request, "images", items)
+    outs = await collect_media(request, job)
+    pics = [p for o in outs for p in _typed(o, I.Image, "image")]
+    data = [{"b64_json": await _encode(server, _b64_png, p.pixels)} for p in pics]
+    return JSONResponse({"created": int(time.time()), "data": data, "size": size, "output_format": "png",
+                         "model": model},
+                        headers={"x-request-id": f"img-{uuid.uuid4().hex[:16]}"})
+
+
+# -- POST /v1/videos ---------------------------------------------------------------------------
+async def videos(server, request: Request, body: dict):
+    _unknown(body, VIDEO_FIELDS)
+    model = check_model(server.settings, P._str(body, "model"))
+    prompt = _text(body, "prompt", _max_chars(server, MAX_PROMPT_CHARS))
+    w, h, size = _size(server, body)
+    fps = float(server.accepts.get("fps") or 8)
+    max_frames = int(server.accepts.get("max_frames") or 256)
+    frames = P._int(body, "num_frames", None, lo=1, hi=max_frames)
+    seconds = body.get("seconds")
+    if isinstance(seconds, str):  # OpenAI's schema sends seconds as a string ("4")
+        try:
+            seconds = float(seconds)
+        except ValueError:
+            raise bad("seconds", f"Invalid 'seconds': {seconds!r} is not a number.", "invalid_type") from None
+        body = dict(body, seconds=seconds)
+    seconds = P._num(body, "seconds")
+    if frames is not None and seconds is not None:
+        raise bad("seconds", "Give 'seconds' or 'num_frames', not both.", "invalid_value")
+    if frames is None:
+        secs = 4.0 if seconds is None else seconds
+        frames = round(secs * fps)
+        if not 1 <= frames <= max_frames:
+            raise bad("seconds", f"Invalid 'seconds': {secs:g} s at {fps:g} fps is {frames} frames; this model "
+                                 f"makes 1 to {max_frames}.", "invalid_value")
+    P._str(body, "user")
+    seed = _seed(body, None)
+    inputs = {"prompt": prompt, "width": w, "height": h, "size": size, "num_frames": frames, "fps": fps}
+    job = await start_media_job(server, request, "videos", [(inputs, seed)])
+    (outs,) = await collect_media(request, job)
+    clips = _typed(outs, I.VideoFrames, "video frames")
+    pics = [f for c in clips for f in np.asarray(c.frames)]
+    out_fps = float(clips[0].fps)
+    encoded = [await _encode(server, _b64_png, f) for f in pics]
+    vid = f"video_{uuid.uuid4().hex[:24]}"
+    return JSONResponse({"id": vid, "object": "video", "model": model, "status": "completed", "progress": 100,
+                         "created_at": int(time.time()), "size": size, "seconds": str(len(pics) / out_fps),
+                         "fps": out_fps, "num_frames": len(pics), "output_format": "png_frames",
+                         "frames": [{"b64_json": e} for e in encoded]},
+                        headers={"x-request-id": vid})

@@ -1,0 +1,78 @@
+"""The dependency direction, read from the source: mstar.ops <- mstar.models <- mstar.runtime;
+no runtime module imports a model family's package or names a model's layers."""
+
+import ast
+import io
+import pathlib
+import tokenize
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "mstar"
+FAMILIES = sorted(p.parent.name for p in (ROOT / "models").glob("*/family.py"))
+# attributes of a model's insides the runtime must not reach (it asks the model's interface)
+LAYER_NAMES = ("attention_layers", "state_layers", "cross_attention_layers", "embed_tokens", "mixer",
+               "input_layernorm", "post_attention_layernorm", "lm_head", "rope")
+
+
+def _modules(pkg: str):
+    """The library modules of a layer (a `__main__.py` is a command line: it sits above every layer)."""
+    for path in sorted((ROOT / pkg).rglob("*.py")):
+        if path.name != "__main__.py":
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """Every module a file imports (at any depth: lazy imports count), dotted names in full."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_families_found():
+    assert {"qwen3", "qwen3_5", "whisper"} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("pkg,forbidden", [("ops", ("mstar.models", "mstar.runtime")),
+                                           ("models", ("mstar.runtime",))])
+def test_lower_layers_do_not_import_upper_ones(pkg, forbidden):
+    bad = [f"{path.relative_to(ROOT)}: {m}" for path, tree in _modules(pkg) for m in _imports(tree)
+           if m.startswith(forbidden)]
+    assert not bad, bad
+
+
+def test_runtime_imports_no_family():
+    fam = tuple(f"mstar.models.{f}" for f in FAMILIES)
+    bad = [f"{path.relative_to(ROOT)}: {m}" for path, tree in _modules("runtime") for m in _imports(tree)
+           if m in fam or m.startswith(tuple(f + "." for f in fam))]
+    assert not bad, bad
+
+
+def test_runtime_names_no_model_layers():
+    bad = []
+    for path, tree in _modules("runtime"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in LAYER_NAMES:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in LAYER_NAMES):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: getattr {node.args[1].value!r}")
+    assert not bad, bad
+
+
+def test_runtime_code_names_no_family():
+    """Family names appear in the runtime's comments, docs and messages (as examples), never as
+    names in its code."""
+    words = {f.lower() for f in FAMILIES} | {"whisper", "qwen"}
+    bad = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if t.type == tokenize.NAME and any(w in t.string.lower() for w in words):
+                bad.append(f"{path.relative_to(ROOT)}:{t.start[0]}: {t.string}")
+    assert not bad, bad
