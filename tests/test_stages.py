@@ -21,7 +21,8 @@ from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
 from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
-from mstar.runtime.serving.api_media import pcm16, png_bytes
+from mstar.runtime.serving.api_media import png_bytes
+from mstar.runtime.serving.api_speech import pcm16
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -380,9 +381,9 @@ def test_speech_end_to_end(servers):
 def test_speech_bad_requests(servers):
     s = servers["speech"]
     for body, param in (({"voice": "echo"}, "input"), ({"input": ""}, "input"), ({"input": "x" * 1001}, "input"),
-                        ({"input": 3}, "input"), ({"input": "x", "response_format": "mp3"}, "response_format"),
+                        ({"input": 3}, "input"), ({"input": "x", "response_format": "ogg"}, "response_format"),
                         ({"input": "x", "voice": "nobody"}, "voice"), ({"input": "x", "speed": 9}, "speed"),
-                        ({"input": "x", "stream_format": "sse"}, "stream_format"), ({"input": "x", "foo": 1}, "foo")):
+                        ({"input": "x", "stream_format": "video"}, "stream_format"), ({"input": "x", "foo": 1}, "foo")):
         _err(s.post("/v1/audio/speech", body), 400, param)
     e = _err(s.post("/v1/audio/speech", {"model": "other", "input": "x"}), 404, "model")
     assert e["code"] == "model_not_found"

@@ -116,6 +116,17 @@ def test_tp2_offline_llm_and_embedded_preset():
     assert got == want
 
 
+def test_tp2_llama_equals_tp1():
+    # tiny-llama: untied head, llama3 rope scaling; the Qwen3 attention split without q/k norms
+    from mstar.runtime.engine.llm import LLM
+    ps = [[7, 8, 9], list(range(30, 75))]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM("tiny-llama", dtype="float32", device="cpu", max_model_len=128, tp=2) as llm:
+        got = [o.token_ids for o in llm.generate(ps, sp)]
+    want = [o.token_ids for o in LLM("tiny-llama", dtype="float32", device="cpu", max_model_len=128).generate(ps, sp)]
+    assert got == want
+
+
 def test_invalid_tp_rejected():
     # the test models have 4 attention heads and 2 KV heads: tp=3 divides neither
     with pytest.raises(ValueError, match=r"tp: tensor parallel size 3 must divide num_attention_heads \(4\)"):

@@ -95,7 +95,8 @@ def _chunks(pcm: np.ndarray) -> list[I.AudioChunk]:
     return [I.AudioChunk(pcm[i * CHUNK:(i + 1) * CHUNK], SAMPLE_RATE, final=i == n - 1) for i in range(n)]
 
 
-def speech_pipeline(name_or_dir, dtype=torch.float32, device="cpu", random_weights=False, seed=0) -> I.Pipeline:
+def speech_pipeline(name_or_dir, dtype=torch.float32, device="cpu", random_weights=False, seed=0,
+                    max_batch=None) -> I.Pipeline:
     model = build_speech(seed, device, dtype)
 
     def run(reqs: list[I.MediaRequest]):
@@ -183,7 +184,8 @@ def _denoise_step(m, x: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, 
     return x - (eu + GUIDANCE * (ec - eu)) / NUM_STEPS
 
 
-def image_pipeline(name_or_dir, dtype=torch.float32, device="cpu", random_weights=False, seed=0) -> I.Pipeline:
+def image_pipeline(name_or_dir, dtype=torch.float32, device="cpu", random_weights=False, seed=0,
+                    max_batch=None) -> I.Pipeline:
     m = build_image(seed, device, dtype)
 
     def encode(reqs):

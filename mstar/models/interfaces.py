@@ -141,11 +141,47 @@ class AdmissionStage:
         return {}
 
 
+class OutputStage:
+    """Work on the tokens the autoregressive stage generates, batched over every stream of the
+    step: a streaming codec turning a speech LM's audio tokens into AudioChunks as they come.
+    Only media requests (EngineRequest.media set) pass through it."""
+
+    def add(self, request_id: str, media: MediaRequest) -> None:
+        """A media request was admitted to the engine."""
+
+    def drop(self, request_id: str) -> None:
+        """The request left (aborted): forget it."""
+
+    def process(self, outputs: list) -> None:
+        """The step's outputs (CoreOutput: request_id, token_ids, finish_reason, media): append
+        the typed outputs of the requests it holds to their `media` lists, in place; a finished
+        request's last outputs come with its finishing output."""
+
+
 class EngineHooks:
     """What a token-generating family adds to the autoregressive engine (registry.Family
-    .engine_hooks(model, name_or_dir) builds one; the defaults add nothing)."""
+    .engine_hooks(model, engine_config) builds one; the defaults add nothing).
+
+    admission     an AdmissionStage (Whisper's encoder), or None
+    output_stage  an OutputStage the media requests' tokens pass through (a speech codec), or None
+    accepts       what the media routes may send (as Pipeline.accepts), for families with media routes
+    constrains_logits  True: constrain_logits runs on every sampling step of media requests (the
+                   overlapped decode path, which cannot run it, is not used for them)
+    """
 
     admission: AdmissionStage | None = None
+    output_stage: OutputStage | None = None
+    accepts: dict[str, Any] | None = None
+    constrains_logits: bool = False
+
+    def media_request(self, media: MediaRequest) -> tuple[list[int], dict[str, Any]]:
+        """A media request as the autoregressive stage runs it: (prompt ids, SamplingParams
+        fields). ValueError("field: message"): the request's inputs are wrong (a client error)."""
+        raise ValueError("this model takes token prompts, not media requests")
+
+    def constrain_logits(self, logits, request_ids: list[str], num_output_tokens: list[int]) -> None:
+        """In place, before sampling: rows of media requests (by id; others untouched) restricted
+        to the tokens allowed at their output position."""
 
     def suppress_defaults(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(ids never sampled, ids not sampled as the first generated token) of requests that

@@ -28,8 +28,7 @@ def _read_json(path: str) -> dict:
 
 def _config_from_dir(path: str):
     raw = registry.read_config_json(path)
-    fam = registry.family_of_model_type(registry.checkpoint_model_type(raw))
-    return fam.config_from_dir(path, raw)
+    return registry.family_of_checkpoint(raw).config_from_dir(path, raw)
 
 
 def resolve_config(name_or_dir: str):

@@ -200,8 +200,8 @@ def check_config(config, size: int) -> None:
         return
     problems = []
     mt = getattr(config, "model_type", "")
-    if mt not in ("qwen3_5_text", "qwen3_5", "qwen3"):
-        raise ValueError(f"tp: tensor parallelism supports Qwen3.5 and Qwen3 models, not {mt!r}")
+    if mt not in ("qwen3_5_text", "qwen3_5", "qwen3", "llama"):
+        raise ValueError(f"tp: tensor parallelism supports Qwen3.5, Qwen3 and Llama models, not {mt!r}")
     h = config.num_attention_heads
     kv = config.num_key_value_heads
     if h % size:

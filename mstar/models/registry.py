@@ -5,7 +5,7 @@ tokenizer lookup, the presets and the runtime ask the registry, never a family b
     family.capabilities                            # interfaces.py names
     family.model_class(config), family.config_from_dir(path, raw_config)
 
-Families built in: qwen3_5, qwen3, whisper (each a package `mstar/models/<family>/` whose
+Families built in: qwen3_5, qwen3, llama, orpheus, whisper, kokoro (each a package `mstar/models/<family>/` whose
 `family.py` calls `register`). More come from plugins: MSTAR_MODEL_PLUGINS names modules that
 call `register` when imported (read once, at the first lookup; spawned engine processes read
 the same environment).
@@ -22,7 +22,8 @@ from typing import Any, Callable
 from mstar import knobs
 from mstar.models.presets import Preset
 
-_BUILTIN = ("mstar.models.qwen3_5.family", "mstar.models.qwen3.family", "mstar.models.whisper.family")
+_BUILTIN = ("mstar.models.qwen3_5.family", "mstar.models.qwen3.family", "mstar.models.llama.family",
+            "mstar.models.orpheus.family", "mstar.models.whisper.family", "mstar.models.kokoro.family")
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,15 @@ class Family:
     model_class(config) -> the nn.Module class the loader builds (token generators: DecoderLM).
     preset_tokenizer(preset) -> a tokenizer for a preset (None: presets have none built in);
     a checkpoint directory's tokenizer is transformers' AutoTokenizer.
-    engine_hooks(model, name_or_dir) -> the family's runtime hooks (an object; what the engine
-    reads of it: interfaces.EngineHooks), or None.
-    pipeline(name_or_dir, dtype, device, random_weights, seed) -> interfaces.Pipeline, for families
-    that are not autoregressive (their stages run on the stage engine); None for token generators.
+    engine_hooks(model, engine_config) -> the family's runtime hooks (interfaces.EngineHooks), or
+    None; engine_config: the engine's settings (model, codec, device, dtype, random_weights, seed).
+    pipeline(name_or_dir, dtype, device, random_weights, seed, max_batch) -> interfaces.Pipeline, for
+    families that are not autoregressive (their stages run on the stage engine; max_batch: the most
+    requests the engine runs at once, --max-num-seqs); None for token generators.
     transcriber(vocab_size, tokenizer) -> TRANSCRIBES families: what the transcription routes plan
     their requests with (mstar/models/whisper/transcription.py shows the methods they call).
+    detect(raw config.json) -> True: the family claims the checkpoint before the model_type lookup
+    (a family whose checkpoints have another family's model_type: Orpheus is a Llama checkpoint).
     """
     name: str
     model_types: tuple[str, ...]
@@ -51,9 +55,10 @@ class Family:
     make_config: Callable[[Preset], Any] | None = None
     model_class: Callable[[Any], type] | None = None
     preset_tokenizer: Callable[[Preset], Any] | None = None
-    engine_hooks: Callable[[Any, str], Any] | None = None
+    engine_hooks: Callable[[Any, Any], Any] | None = None
     pipeline: Callable[..., Any] | None = None
     transcriber: Callable[[int, Any], Any] | None = None
+    detect: Callable[[dict], bool] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -143,10 +148,18 @@ def checkpoint_model_type(raw: dict) -> str:
     return mt
 
 
+def family_of_checkpoint(raw: dict) -> Family:
+    """The family of a checkpoint's config.json: one whose `detect` claims it, else by model_type."""
+    for f in families():
+        if f.detect is not None and f.detect(raw):
+            return f
+    return family_of_model_type(checkpoint_model_type(raw))
+
+
 def family_of(name_or_dir: str) -> Family:
-    """The family of a checkpoint directory (its config.json's model_type) or a preset name."""
+    """The family of a checkpoint directory (its config.json) or a preset name."""
     if os.path.isdir(name_or_dir):
-        return family_of_model_type(checkpoint_model_type(read_config_json(name_or_dir)))
+        return family_of_checkpoint(read_config_json(name_or_dir))
     p = preset(name_or_dir)
     if p is None:
         raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset; presets: {', '.join(presets())}")

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from mstar import ops
 from mstar.ops import registry
 
 from mstar.bench.ops.cases import ROWS, build_cases, device, rate_columns

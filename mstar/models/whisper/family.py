@@ -38,9 +38,9 @@ def suppress_defaults(model, name_or_dir: str | None) -> tuple[list[int], list[i
 
 
 class WhisperHooks(I.EngineHooks):
-    def __init__(self, model, name_or_dir: str):
+    def __init__(self, model, engine_config):
         from mstar.models.whisper.encoder_stage import CrossEncoder
-        self.model, self.name_or_dir = model, name_or_dir
+        self.model, self.name_or_dir = model, str(engine_config.model)
         self.admission = CrossEncoder(model, model.device)
         self.vocab_size = int(model.config.vocab_size)
 

@@ -30,6 +30,9 @@ CUDA_CACHE_FRACTION = CACHE_FRACTION
 class EngineConfig:
     model: str = DEFAULT_MODEL
     random_weights: bool = False
+    # a companion model the family runs beside the LM (a speech LM's audio codec): a directory or
+    # a preset name; None: the family's default (a directory beside the model's, else its preset)
+    codec: str | None = None
     dtype: str = "auto"  # "auto": fp32 on CPU, bf16 on CUDA
     device: str = "auto"  # "auto": cuda if available, else cpu
     max_num_seqs: int | None = None  # None: 256 on CUDA (vLLM's default there), 64 elsewhere
@@ -97,6 +100,8 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model: must be a preset name or a directory, got {self.model!r}")
+        if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
+            raise ValueError(f"codec: must be a directory or a preset name, got {self.codec!r}")
         pos("max_num_seqs")
         pos("max_model_len", True)
         pos("page_size", True)

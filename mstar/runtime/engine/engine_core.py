@@ -29,6 +29,7 @@ Not thread-safe: one thread drives add_request / abort / step (the server's engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -134,9 +135,15 @@ class EngineCore:
         self.model_name = str(config.model)
         self.capabilities = self.family.capabilities if self.family is not None else frozenset()
         make_hooks = getattr(self.family, "engine_hooks", None)
-        self.hooks: EngineHooks = (make_hooks(model, config.model) if make_hooks is not None else None) or EngineHooks()
+        self.hooks: EngineHooks = (make_hooks(model, config) if make_hooks is not None else None) or EngineHooks()
         self.has_cross = spec.cross is not None
         self.admission = self.hooks.admission
+        # media requests (speech): the family turns them into prompts and its output stage turns
+        # their tokens into typed outputs (a streaming codec)
+        self.output_stage = self.hooks.output_stage
+        self.accepts = dict(self.hooks.accepts) if self.hooks.accepts else None
+        self._constrain = bool(self.hooks.constrains_logits)
+        self._num_media = 0  # live media sequences
         if self.has_cross and self.admission is None:
             raise ValueError(f"{type(model).__name__} has per-request cross slots but its family declares no "
                              "admission stage to fill them")
@@ -324,6 +331,18 @@ class EngineCore:
             raise RequestError("request_id", "must be a non-empty string")
         if rid in self._seqs:
             raise RequestError("request_id", f"duplicate request id {rid!r}")
+        media = getattr(req, "media", None)
+        if media is not None:
+            if self.output_stage is None:
+                raise RequestError("model", f"{self.model_name} takes token prompts, not media requests")
+            try:
+                prompt_ids, fields = self.hooks.media_request(media)
+                params = SamplingParams(**fields)
+            except (TypeError, ValueError) as e:  # "field: message" names the field
+                field, sep, message = str(e).partition(": ")
+                raise (RequestError(field, message) if sep and field.isidentifier()
+                       else RequestError("input", str(e))) from None
+            req = dataclasses.replace(req, prompt_token_ids=list(prompt_ids), params=params, media=None)
         params = req.params if req.params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError("params", "must be SamplingParams")
@@ -373,7 +392,10 @@ class EngineCore:
         seq = Sequence(request_id=rid, token_ids=prompt, num_prompt_tokens=n, params=params,
                        stop_ids=frozenset(stop), seed=int(seed), max_len=self.max_model_len,
                        arrival=self._arrivals, encoder_input=enc_in, suppress_ids=sup, begin_suppress_ids=begin,
-                       sampler_values=values)
+                       sampler_values=values, media=media is not None)
+        if media is not None:
+            self.output_stage.add(rid, media)
+            self._num_media += 1
         self._seqs[rid] = seq
         self._num_begin_suppress += bool(begin)
         self._t_added[rid] = time.monotonic()
@@ -395,6 +417,7 @@ class EngineCore:
 
     def _drop(self, seq: Sequence) -> None:
         self._num_begin_suppress -= bool(seq.begin_suppress_ids)
+        self._num_media -= seq.media  # (the output stage lets the request go at its finishing output)
         self._t_added.pop(seq.request_id, None)  # aborted before its admission
         self.scheduler.remove(seq)
         self._release_row(seq)
@@ -423,6 +446,12 @@ class EngineCore:
     # ======================================================================================
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
+        outputs = self._step()
+        if self.output_stage is not None and outputs:
+            self.output_stage.process(outputs)
+        return outputs
+
+    def _step(self) -> list[CoreOutput]:
         ov = self.overlap
         if ov is not None and ov.inflight is not None:
             if ov.can_chain():
@@ -528,6 +557,8 @@ class EngineCore:
                            if s.num_output_tokens == 0 and s.begin_suppress_ids]
             if self.token_masks.active:
                 self.token_masks.apply(logits, [s.sampler_row for s in sampling])
+            if self._constrain and self._num_media:
+                self.hooks.constrain_logits(logits, [s.request_id if s.media else None for s in sampling], steps)
             if s_slots is None:
                 result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
             else:

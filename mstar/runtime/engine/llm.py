@@ -1,30 +1,56 @@
-"""The offline API: the same EngineCore the server uses, driven in-process.
+"""The offline API: the same engine the server uses, driven in-process (the engine of the model's
+family, as the engine process picks it: EngineCore, or the stage engine for a family with a
+stage pipeline; engine_process.default_engine).
 
     from mstar import LLM, SamplingParams
     llm = LLM("tiny-qwen3.5", dtype="float32", device="cpu")
     outs = llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=32, temperature=0.0))
     outs[0].token_ids, outs[0].text, outs[0].finish_reason
+
+    tts = LLM("tiny-kokoro", device="cpu")        # or a speech LM: LLM("tiny-orpheus", ...)
+    (sp,) = tts.synthesize("Hello there.", voice="af_heart", seed=1)
+    sp.samples, sp.sample_rate                      # float32 mono in [-1, 1], 24000
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from mstar.models.presets import DEFAULT_MODEL
 from mstar.runtime.engine.config import EngineConfig
-from mstar.runtime.engine.engine_core import EngineCore
 from mstar.runtime.engine.output_processor import OutputProcessor, RequestOutput
 from mstar.runtime.engine.request import EngineRequest, RequestError, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "Speech"]
+
+# what LLM.synthesize passes on to a family's speech inputs (interfaces.MediaRequest.inputs); an
+# inputs dict may hold these (and whatever else its family reads, e.g. Kokoro's `durations`)
+SPEECH_INPUTS = ("text", "phonemes", "voice", "speed", "language", "instructions", "max_new_tokens")
+
+
+@dataclass
+class Speech:
+    """One synthesized utterance: mono float32 samples in [-1, 1] at `sample_rate` Hz."""
+    samples: np.ndarray
+    sample_rate: int
+    request_id: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.sample_rate if self.sample_rate else 0.0
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options):
+        from mstar.runtime.engine.engine_process import default_engine
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.engine = default_engine(self.config)
+        self.tokenizer = getattr(self.engine, "tokenizer", None)  # a stage engine has none
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -139,6 +165,174 @@ class LLM:
                 eng.step()
             raise
         return [toks[r.request_id] for r in reqs], [lps[r.request_id] for r in reqs]
+
+    # --- speech synthesis (SYNTHESIZES_SPEECH families: Kokoro, Orpheus) ----------------------
+    def synthesize(self, texts_or_inputs=None, voice: str | None = None, *, speed: float = 1.0,
+                   seed: int | Sequence[int] = 0, max_new_tokens: int | None = None,
+                   phonemes: str | Sequence[str] | None = None, language: str | None = None) -> list[Speech]:
+        """Speak each text (or inputs dict); one Speech per item, in order. Every request is
+        submitted first, then the engine steps until all are done (they batch as on the server).
+
+        texts_or_inputs  a text, an inputs dict ({"input" | "text", "phonemes", "voice", "speed",
+                         "language", "instructions", "max_new_tokens", "seed", ...: the family's
+                         MediaRequest inputs; the keyword arguments fill the keys a dict leaves
+                         out}), or a list of them; None: `phonemes` alone
+        phonemes         a phoneme string per item (Kokoro: used instead of the text), or one for all
+        seed             one for every request, or one per item (a request's audio is a function
+                         of its inputs and seed, batched or not)
+        A request the model cannot take raises RequestError (a ValueError) naming the field; a
+        model that fails on one raises RuntimeError."""
+        from mstar.models import interfaces as I
+        reqs = self.speech_requests(texts_or_inputs, voice, speed=speed, seed=seed, max_new_tokens=max_new_tokens,
+                                    phonemes=phonemes, language=language)
+        accepts = getattr(self.engine, "accepts", None) or {}
+        outs = self._run_media(reqs)
+        speeches = []
+        for i, r in enumerate(reqs):
+            final, chunks = outs[r.request_id]
+            if final.finish_reason == "error":
+                raise RuntimeError(f"the model failed on item {i}: {final.error}")
+            if final.finish_reason == "abort":
+                raise RuntimeError(f"the engine aborted item {i}")
+            audio = [c for c in chunks if isinstance(c, I.AudioChunk)]
+            rates = {int(c.sample_rate) for c in audio}
+            if len(rates) > 1:
+                raise RuntimeError(f"item {i}: the model's audio changed sample rate ({sorted(rates)})")
+            rate = rates.pop() if rates else int(accepts.get("sample_rate") or 0)
+            pcm = (np.concatenate([np.asarray(c.pcm, dtype=np.float32).reshape(-1) for c in audio]) if audio
+                   else np.zeros(0, dtype=np.float32))
+            speeches.append(Speech(pcm, rate, r.request_id))
+        return speeches
+
+    def speech_requests(self, texts_or_inputs=None, voice: str | None = None, *, speed: float = 1.0,
+                        seed: int | Sequence[int] = 0, max_new_tokens: int | None = None,
+                        phonemes: str | Sequence[str] | None = None, language: str | None = None) -> list:
+        """The engine requests synthesize() runs (arguments as there), checked as the server checks
+        them: for callers that drive `self.engine` themselves (mstar.bench.speech)."""
+        from mstar.models import interfaces as I
+        eng = self.engine
+        if I.SYNTHESIZES_SPEECH not in (getattr(eng, "capabilities", None) or ()):
+            raise RequestError("model", f"{self.config.model} does not synthesize speech")
+        items = self._speech_items(texts_or_inputs, phonemes)
+        seeds = [seed] * len(items) if isinstance(seed, int) else list(seed)
+        if len(seeds) != len(items):
+            raise RequestError("seed", f"{len(seeds)} seeds for {len(items)} requests")
+        defaults = {"voice": voice, "speed": speed, "max_new_tokens": max_new_tokens, "language": language}
+        accepts = getattr(eng, "accepts", None) or {}
+        reqs = []
+        base = f"tts-{next(self._ids)}"
+        for i, (item, s) in enumerate(zip(items, seeds)):
+            inputs = dict(item)
+            if "seed" in inputs:
+                s = inputs.pop("seed")
+            for k, v in defaults.items():
+                if v is not None and inputs.get(k) is None:
+                    inputs[k] = v
+            if inputs.get("voice") is None and accepts.get("voices"):  # as the server: the first voice
+                inputs["voice"] = str(accepts["voices"][0])
+            try:
+                self._check_speech(inputs, s, accepts)
+            except RequestError as e:
+                raise RequestError(e.field, e.message if len(items) == 1 else f"item {i}: {e.message}") from None
+            rid = f"{base}-{i}"
+            reqs.append(EngineRequest(rid, [], SamplingParams(max_tokens=1),
+                                      media=I.MediaRequest(rid, inputs, int(s) % (1 << 63))))
+        return reqs
+
+    @staticmethod
+    def _speech_items(texts_or_inputs, phonemes) -> list[dict]:
+        src = texts_or_inputs
+        if src is None:
+            if phonemes is None:
+                raise RequestError("input", "give texts (or inputs dicts) or phonemes")
+            ps = [phonemes] if isinstance(phonemes, str) else list(phonemes)
+            return [{"phonemes": p} for p in ps]
+        one = isinstance(src, (str, dict))
+        src = [src] if one else list(src)
+        items = []
+        for i, t in enumerate(src):
+            if isinstance(t, str):
+                items.append({"text": t})
+            elif isinstance(t, dict):
+                d = dict(t)
+                if "input" in d:  # the route's name of the text
+                    if "text" in d:
+                        raise RequestError("input", f"item {i}: give `input` or `text`, not both")
+                    d["text"] = d.pop("input")
+                items.append(d)
+            else:
+                raise RequestError("input", f"item {i}: a text or an inputs dict, got {type(t).__name__}")
+        if phonemes is not None:
+            ps = [phonemes] * len(items) if isinstance(phonemes, str) else list(phonemes)
+            if len(ps) != len(items):
+                raise RequestError("phonemes", f"{len(ps)} phoneme strings for {len(items)} requests")
+            for d, p in zip(items, ps):
+                d.setdefault("phonemes", p)
+        return items
+
+    @staticmethod
+    def _check_speech(inputs: dict, seed, accepts: dict) -> None:
+        """The checks the server's route makes before a request reaches the engine."""
+        text, ps = inputs.get("text"), inputs.get("phonemes")
+        if ps is not None and (not isinstance(ps, str) or not ps.strip()):
+            raise RequestError("phonemes", "must be a non-empty string")
+        if text is None and ps is None:
+            raise RequestError("input", "no text (or phonemes)")
+        if text is not None:
+            if not isinstance(text, str):
+                raise RequestError("input", f"must be a string, got {type(text).__name__}")
+            if ps is None and not text.strip():
+                raise RequestError("input", "the text is empty")
+            limit = accepts.get("max_input_chars")
+            if isinstance(limit, int) and len(text) > limit:
+                raise RequestError("input", f"{len(text)} characters; at most {limit}")
+        voices = [str(v) for v in accepts.get("voices") or ()]
+        v = inputs.get("voice")
+        if v is not None and voices and v not in voices:
+            raise RequestError("voice", f"{v!r} is not a voice of this model; use one of {', '.join(voices)}")
+        sp = inputs.get("speed")
+        if sp is not None:
+            if isinstance(sp, bool) or not isinstance(sp, (int, float)) or not math.isfinite(sp) or sp <= 0:
+                raise RequestError("speed", f"must be a positive number, got {sp!r}")
+            speeds = accepts.get("speeds")
+            if speeds and float(sp) not in [float(x) for x in speeds]:
+                raise RequestError("speed", f"this model speaks at {', '.join(f'{float(x):g}' for x in speeds)} "
+                                            f"only, got {sp:g}")
+        n = inputs.get("max_new_tokens")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise RequestError("max_new_tokens", f"must be a positive integer, got {n!r}")
+        lang = inputs.get("language")
+        if lang is not None and not isinstance(lang, str):
+            raise RequestError("language", f"must be a string, got {type(lang).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise RequestError("seed", f"must be an integer, got {seed!r}")
+
+    def _run_media(self, reqs: list[EngineRequest]) -> dict[str, tuple]:
+        """Run media requests to completion: {request id: (final CoreOutput, every typed output)}."""
+        eng = self.engine
+        media: dict[str, list] = {r.request_id: [] for r in reqs}
+        final: dict[str, object] = {}
+        added: list[str] = []
+        try:
+            for r in reqs:
+                eng.add_request(r)
+                added.append(r.request_id)
+            while len(final) < len(reqs) and eng.has_unfinished():
+                for o in eng.step():
+                    if o.request_id not in media:
+                        continue
+                    media[o.request_id].extend(o.media or ())
+                    if o.finished:
+                        final[o.request_id] = o
+        except BaseException:
+            eng.abort([r for r in added if r not in final])
+            while eng.has_unfinished() and not eng.num_unfinished():
+                eng.step()
+            raise
+        missing = [r.request_id for r in reqs if r.request_id not in final]
+        if missing:
+            raise RuntimeError(f"the engine stopped with {len(missing)} request(s) unfinished")
+        return {rid: (final[rid], media[rid]) for rid in media}
 
     # --- the loop --------------------------------------------------------------------------
     def _run(self, ids: list[list[int]], plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -89,7 +89,8 @@ class StageEngine:
                 raise ValueError(f"model: the family {family.name!r} has no stage pipeline (it is a token "
                                  "generator: EngineCore serves it)")
             pipeline = family.pipeline(config.model, dtype=self.dtype, device=self.device,
-                                       random_weights=config.random_weights, seed=config.seed)
+                                       random_weights=config.random_weights, seed=config.seed,
+                                       max_batch=config.max_num_seqs)
         if not isinstance(pipeline, I.Pipeline) or not pipeline.stages:
             raise ValueError(f"model: the pipeline of {config.model!r} has no stages")
         for k, st in enumerate(pipeline.stages):

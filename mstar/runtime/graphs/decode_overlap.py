@@ -64,9 +64,10 @@ class DecodeOverlap:
     def eligible(self, seqs) -> bool:
         core = self.core
         plain = core.sampler.plain_greedy
+        constrain = core._constrain  # the family's logits constraint runs on the synchronous path only
         # min_tokens not reached: the stop ids are masked before sampling (the synchronous path)
         return all(plain(seq.sampler_row) and not (seq.num_output_tokens < seq.params.min_tokens and seq.stop_ids)
-                   for seq in seqs)
+                   and not (constrain and seq.media) for seq in seqs)
 
     def can_chain(self) -> bool:
         """Would the scheduler's next step be the in-flight rows, one token further?"""

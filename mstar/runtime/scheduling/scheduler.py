@@ -72,6 +72,7 @@ class Sequence:
     encoder_input: Any = None
     suppress_ids: tuple[int, ...] = ()
     begin_suppress_ids: tuple[int, ...] = ()
+    media: bool = False  # a media request: its tokens pass through the family's output stage
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,14 +1,9 @@
-"""The media routes, for models that run on the stage engine (stage_engine.py): each request is
-one or more engine sequences carrying an interfaces.MediaRequest; their typed outputs
-(AudioChunk, Image, VideoFrames) come back on the job and are encoded here.
+"""The image and video routes, and what every media route shares: a request is one or more
+engine sequences carrying an interfaces.MediaRequest, run by the stage engine (stage_engine.py);
+their typed outputs (Image, VideoFrames) come back on the job and are encoded here. The shared
+part (start_media_job, collect_media, the field parsers) also serves POST /v1/audio/speech,
+whose route lives in api_speech.py.
 
-POST /v1/audio/speech (SYNTHESIZES_SPEECH), OpenAI's schema:
-    model, input (text, required, at most accepts["max_input_chars"] or 4096 characters), voice
-    (one of accepts["voices"] when the model lists them), response_format wav (default) | pcm
-    (16-bit signed little-endian mono at the model's rate; x-sample-rate says which), speed
-    (0.25..4), instructions; stream_format "audio": the body streams (chunked) as the model's
-    audio chunks arrive, a WAV stream's header giving no length; absent: the whole file. seed: an
-    extra (default 0).
 POST /v1/images/generations (GENERATES_IMAGES), OpenAI's schema:
     model, prompt (required), n (1..10: n sequences, seeds seed, seed+1, ...), size "WxH" (one
     of accepts["sizes"]; default the first), response_format b64_json (PNG), output_format png,
@@ -19,14 +14,13 @@ POST /v1/videos (GENERATES_VIDEO), minimal and synchronous:
 
 Errors: a field that is wrong is a 400 in OpenAI's error schema (param names it); a model that
 fails on a request is a 500 (internal_error), for that request only. A client that goes away
-aborts its sequences in the engine at once (streaming or not).
+aborts its sequences in the engine at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import re
 import secrets
@@ -34,11 +28,10 @@ import struct
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from mstar.models import interfaces as I
 from mstar.runtime.serving import api_protocol as P
@@ -48,33 +41,14 @@ from mstar.runtime.serving.api_protocol import APIError, bad
 
 logger = logging.getLogger("mstar.server")
 
-SPEECH_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
-                           "seed"})
 IMAGE_FIELDS = frozenset({"model", "prompt", "n", "size", "response_format", "output_format", "seed", "user"})
 VIDEO_FIELDS = frozenset({"model", "prompt", "size", "seconds", "num_frames", "seed", "user"})
-MAX_SPEECH_CHARS = 4096  # OpenAI's limit on `input`
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10
-AUDIO_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
 # -- encoders ----------------------------------------------------------------------------------
-def pcm16(x: np.ndarray) -> bytes:
-    """Float samples in [-1, 1] as 16-bit signed little-endian PCM (clipped, rounded)."""
-    a = np.clip(np.asarray(x, dtype=np.float32).reshape(-1), -1.0, 1.0)
-    return np.rint(a * 32767.0).astype("<i2").tobytes()
-
-
-def wav_header(sample_rate: int, n_samples: int | None = None) -> bytes:
-    """A 44-byte header of mono 16-bit PCM; n_samples None: a stream of unknown length (the
-    sizes are 0xFFFFFFFF, as streaming servers write them)."""
-    data = 0xFFFFFFFF if n_samples is None else 2 * n_samples
-    riff = 0xFFFFFFFF if n_samples is None else 36 + data
-    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, 1, sample_rate,
-                       2 * sample_rate, 2, 16, b"data", data)
-
-
 def _png_chunk(tag: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
@@ -213,157 +187,6 @@ def _typed(outs: list, kind: type, what: str) -> list:
 async def _encode(server, fn, *args):
     """Encoding (PNG, base64) off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(server.pool, fn, *args)
-
-
-# -- POST /v1/audio/speech ---------------------------------------------------------------------
-async def speech(server, request: Request, body: dict):
-    _unknown(body, SPEECH_FIELDS)
-    check_model(server.settings, P._str(body, "model"))
-    text = _text(body, "input", _max_chars(server, MAX_SPEECH_CHARS))
-    voices = [str(v) for v in server.accepts.get("voices") or ()]
-    voice = P._str(body, "voice", voices[0] if voices else None)
-    if voice is not None and (len(voice) > 64 or (voices and voice not in voices)):
-        raise bad("voice", f"Invalid 'voice': {voice[:64]!r} is not supported"
-                           + (f"; use one of {', '.join(voices)}." if voices else "."), "invalid_value")
-    fmt = _choice(body, "response_format", tuple(AUDIO_TYPES), "wav")
-    speed = P._num(body, "speed", 1.0)
-    if not 0.25 <= speed <= 4.0:
-        raise bad("speed", f"Invalid 'speed': must be in [0.25, 4.0], got {speed:g}.", "invalid_value")
-    stream_format = P._str(body, "stream_format")
-    if stream_format not in (None, "audio"):
-        raise bad("stream_format", f"Invalid 'stream_format': {stream_format!r} is not supported; use 'audio' "
-                                   "(or leave it out for the whole file).", "invalid_value")
-    instructions = _text(body, "instructions", MAX_SPEECH_CHARS, required=False)
-    seed = _seed(body, 0)
-    inputs = {"text": text, "voice": voice, "speed": speed}
-    if instructions is not None:
-        inputs["instructions"] = instructions
-    job = await start_media_job(server, request, "speech", [(inputs, seed)])
-    headers = {"x-request-id": f"speech-{uuid.uuid4().hex[:16]}"}
-    if stream_format == "audio":
-        return await _stream_speech(request, job, fmt, headers)
-    (outs,) = await collect_media(request, job)
-    chunks = _typed(outs, I.AudioChunk, "audio")
-    rate = _rate(chunks)
-    pcm = b"".join(pcm16(c.pcm) for c in chunks)
-    data = (wav_header(rate, len(pcm) // 2) + pcm) if fmt == "wav" else pcm
-    headers["x-sample-rate"] = str(rate)
-    return Response(data, media_type=AUDIO_TYPES[fmt], headers=headers)
-
-
-def _rate(chunks: list, rate: int | None = None) -> int:
-    for c in chunks:
-        r = int(c.sample_rate)
-        if rate is None:
-            rate = r
-        elif r != rate:
-            raise APIError(500, f"The model's audio changed sample rate ({rate} -> {r} Hz).", code="internal_error")
-    return rate
-
-
-async def _stream_speech(request: Request, job: Job, fmt: str, headers: dict):
-    """The audio as it comes: the first outputs are awaited here (a failure before any audio is
-    still an error response), then the body streams."""
-    events = job.events()
-
-    async def first():
-        while True:
-            _, o = await events.__anext__()
-            if o.media or o.finished:
-                return o
-
-    try:
-        o = await until_done_or_gone(request, first())
-    except ClientGone:
-        job.close("aborted")
-        raise ClientGone(counted=True) from None
-    except APIError as e:
-        job.close("error" if e.status >= 500 else "bad_request")
-        e.counted = True
-        raise
-    except StopAsyncIteration:
-        job.close("error")
-        raise APIError(500, "The model returned no audio.", code="internal_error") from None
-    except BaseException:
-        job.close("error")
-        raise
-    chunks = [c for c in (o.media or ()) if isinstance(c, I.AudioChunk)]
-    if not chunks:
-        job.close("error")
-        raise APIError(500, "The model returned no audio.", code="internal_error")
-    rate = _rate(chunks)
-    headers["x-sample-rate"] = str(rate)
-
-    async def body() -> AsyncIterator[bytes]:
-        if fmt == "wav":
-            yield wav_header(rate)
-        for c in chunks:  # one body part per audio chunk
-            yield pcm16(c.pcm)
-        done = o.finished
-        while not done:
-            _, u = await events.__anext__()
-            done = u.finished
-            part = [c for c in (u.media or ()) if isinstance(c, I.AudioChunk)]
-            _rate(part, rate)
-            for c in part:
-                yield pcm16(c.pcm)
-
-    return JobStream(job, body(), AUDIO_TYPES[fmt], headers)
-
-
-class JobStream(StreamingResponse):
-    """A job's bytes as a chunked body. The job is closed with its outcome when the body ends; a
-    client that goes away aborts it at once; a failure after the body began drops the connection
-    without the final chunk (the client sees a truncated response, not a short success)."""
-
-    def __init__(self, job: Job, chunks: AsyncIterator[bytes], media_type: str, headers: dict):
-        super().__init__(chunks, status_code=200, media_type=media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        self.job = job
-        self.chunks = chunks
-
-    async def __call__(self, scope, receive, send) -> None:
-        job = self.job
-
-        async def pump():
-            outcome = "error"
-            try:
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                try:
-                    async for b in self.chunks:
-                        if b:
-                            await send({"type": "http.response.body", "body": b, "more_body": True})
-                    outcome = "success"
-                except APIError as e:
-                    logger.warning("stream failed: %s", e.message)
-                except Exception:  # noqa: BLE001
-                    logger.exception("stream failed")
-            except asyncio.CancelledError:
-                outcome = "aborted"
-                raise
-            finally:
-                job.close(outcome)
-            if outcome == "success":
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def listen():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        pump_t = asyncio.ensure_future(pump())
-        listen_t = asyncio.ensure_future(listen())
-        try:
-            await asyncio.wait({pump_t, listen_t}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (pump_t, listen_t):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump_t, listen_t, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.chunks.aclose()
-            job.close("aborted")  # a no-op when the pump closed it
 
 
 # -- POST /v1/images/generations ---------------------------------------------------------------

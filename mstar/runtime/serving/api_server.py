@@ -23,8 +23,9 @@ GET /metrics (Prometheus), GET /version, POST /tokenize and /detokenize (vLLM's 
 A Whisper (encoder-decoder) model serves POST /v1/audio/transcriptions (and /translations) instead of the
 completion endpoints (multipart form, OpenAI's schema; transcribe.py): the audio is decoded
 and cut into 30 s windows here, each window is one engine sequence carrying its samples.
-Models that are not autoregressive (their family has a stage pipeline; the stage engine runs
-them) serve POST /v1/audio/speech, /v1/images/generations and /v1/videos (api_media.py).
+Speech models (a stage pipeline such as Kokoro's, or a speech LM with its codec output stage
+such as Orpheus) serve POST /v1/audio/speech and GET /v1/audio/voices (api_speech.py); image and
+video models (stage pipelines) POST /v1/images/generations and /v1/videos (api_media.py).
 Each generation route needs its capability (interfaces.py, from the engine's start-up info);
 a route the model lacks is a 400 (unsupported_endpoint).
 
@@ -38,7 +39,8 @@ The rest lives in:
     api_chat.py          POST /v1/chat/completions
     api_tokenize.py      POST /tokenize, /detokenize
     transcription_api.py POST /v1/audio/transcriptions, /v1/audio/translations
-    api_media.py         POST /v1/audio/speech, /v1/images/generations, /v1/videos
+    api_speech.py        POST /v1/audio/speech, GET /v1/audio/voices
+    api_media.py         POST /v1/images/generations, /v1/videos (and what the media routes share)
     api_protocol.py      request parsing and OpenAI's error schema
 """
 
@@ -60,6 +62,7 @@ from mstar.models.presets import DEFAULT_MODEL
 from mstar.models import interfaces as I
 from mstar.runtime.serving import api_media as AM
 from mstar.runtime.serving import api_protocol as P
+from mstar.runtime.serving import api_speech as AS
 from mstar.runtime.serving import transcription_api as TA
 from mstar.runtime.serving.api_chat import chat_completions
 from mstar.runtime.serving.api_completions import completions
@@ -104,13 +107,15 @@ _AUDIO_ENDPOINTS = ("transcriptions", "translations")  # Whisper: multipart form
 # the model not to be a speech recogniser (its decoder generates tokens, but from audio)
 _NEEDS = {"completions": I.GENERATES_TOKENS, "chat": I.GENERATES_TOKENS, "transcriptions": I.TRANSCRIBES,
           "translations": I.TRANSCRIBES, "speech": I.SYNTHESIZES_SPEECH, "images": I.GENERATES_IMAGES,
-          "videos": I.GENERATES_VIDEO}
+          "videos": I.GENERATES_VIDEO, "voices": I.SYNTHESIZES_SPEECH}
 _ROUTES = ((I.GENERATES_TOKENS, "POST /v1/completions and /v1/chat/completions"),
            (I.TRANSCRIBES, "POST /v1/audio/transcriptions and /v1/audio/translations"),
-           (I.SYNTHESIZES_SPEECH, "POST /v1/audio/speech"), (I.GENERATES_IMAGES, "POST /v1/images/generations"),
+           (I.SYNTHESIZES_SPEECH, "POST /v1/audio/speech and GET /v1/audio/voices"),
+           (I.GENERATES_IMAGES, "POST /v1/images/generations"),
            (I.GENERATES_VIDEO, "POST /v1/videos"))
 _ROUTE_OF = {"completions": "POST /v1/completions", "chat": "POST /v1/chat/completions",
-             "speech": "POST /v1/audio/speech", "images": "POST /v1/images/generations", "videos": "POST /v1/videos"}
+             "speech": "POST /v1/audio/speech", "voices": "GET /v1/audio/voices",
+             "images": "POST /v1/images/generations", "videos": "POST /v1/videos"}
 
 
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
@@ -292,7 +297,16 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
 
     @app.post("/v1/audio/speech")
     async def speech_route(request: Request):
-        return await handle(request, "speech", AM.speech)
+        return await handle(request, "speech", AS.speech)
+
+    @app.get("/v1/audio/voices")
+    async def voices_route(request: Request):
+        try:
+            check_auth(request)
+            check_endpoint("voices")
+            return JSONResponse(AS.voices(server))
+        except APIError as e:
+            return error_response(e)
 
     @app.post("/v1/images/generations")
     async def images_route(request: Request):

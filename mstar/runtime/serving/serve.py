@@ -73,6 +73,10 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m.add_argument("--random-weights", action="store_true",
                    help="Initialise the weights randomly from the model's config instead of loading them "
                         "(benchmarks at the real shapes without a checkpoint).")
+    m.add_argument("--codec", default=None, metavar="DIR|PRESET",
+                   help="A speech LM's audio codec (Orpheus: a SNAC directory, config.json + weights as "
+                        "published, or a SNAC preset such as snac-24khz). Default: a `snac` directory inside the "
+                        "model's, else a snac* directory beside it; a preset's own codec preset.")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="The name(s) clients must use in the 'model' field; the first is reported in responses. "
                         "Default: the --model value.")
@@ -220,7 +224,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def engine_config(args: argparse.Namespace):
     from mstar.runtime.engine.config import EngineConfig
-    return EngineConfig(model=args.model, random_weights=args.random_weights, dtype=args.dtype, device=args.device,
+    return EngineConfig(model=args.model, random_weights=args.random_weights, codec=args.codec, dtype=args.dtype,
+                        device=args.device,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                         num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, tp=args.tp, seed=args.seed,

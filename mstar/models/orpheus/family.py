@@ -1,0 +1,127 @@
+"""The Orpheus TTS family: a Llama LM that samples SNAC audio tokens (mstar/models/llama), whose
+tokens feed a streaming SNAC codec stage (codec_stage.py); served on /v1/audio/speech.
+
+Checkpoints: an Orpheus directory is a Llama checkpoint (model_type "llama") with Orpheus's
+vocabulary (156940 ids); `detect` claims it. Its codec is a SNAC directory in the release's layout
+(config.json + pytorch_model.bin): EngineConfig.codec (`--codec DIR`), else a `snac` directory
+inside the model's or a `snac*` directory beside it. The presets run random weights with a SNAC
+preset as the codec, and (having no checkpoint tokenizer) the built-in byte tokenizer.
+
+Sampling: the release's defaults (tokens.py DEFAULT_SAMPLING), seeded by the request's seed, and
+restricted at every position to the audio tokens of that frame position (plus end of speech at a
+frame boundary): every window then decodes, where the release would drop a window that holds a
+token of the wrong range. With trained weights such tokens are rare; with random weights (the
+benchmarks) this is what makes the output audio of the asked length.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from mstar.models import interfaces as I
+from mstar.models.llama.family import _from_dir, _make_config, _model_class
+from mstar.models.orpheus import tokens as T
+from mstar.models.orpheus.presets import CODEC_PRESETS, ORPHEUS_VOCAB, PRESETS
+from mstar.models.presets import Preset
+from mstar.models.registry import Family, register
+
+MAX_INPUT_CHARS = 4096
+
+
+def _detect(raw: dict) -> bool:
+    return raw.get("model_type") == "llama" and raw.get("vocab_size") == ORPHEUS_VOCAB
+
+
+def _preset_tokenizer(preset: Preset):
+    from mstar.models.tokenizer import byte_tokenizer
+    return byte_tokenizer()
+
+
+def find_codec(name_or_dir: str, codec: str | None) -> str:
+    """The codec's directory or SNAC preset name (see the module docstring)."""
+    if codec:
+        return codec
+    if name_or_dir in CODEC_PRESETS:
+        return CODEC_PRESETS[name_or_dir]
+    inside = os.path.join(name_or_dir, "snac")
+    found = [inside] if os.path.isfile(os.path.join(inside, "config.json")) else []
+    parent = os.path.dirname(os.path.abspath(name_or_dir))
+    found += sorted(d for d in glob.glob(os.path.join(parent, "snac*")) if os.path.isfile(os.path.join(d, "config.json")))
+    if not found:
+        raise ValueError(f"codec: no SNAC codec for {name_or_dir!r} (looked for {inside!r} and snac* beside it); "
+                         "pass its directory with --codec")
+    return found[0]
+
+
+def load_codec(codec: str, device: torch.device, random_weights: bool, seed: int):
+    from mstar.models.snac.model import build_snac_decoder, load_snac_decoder
+    from mstar.models.snac.presets import PRESETS as SNAC_PRESETS
+    if os.path.isdir(codec):
+        return load_snac_decoder(codec, dtype=torch.float32, device=device)
+    if codec not in SNAC_PRESETS:
+        raise ValueError(f"codec: {codec!r} is neither a directory nor a SNAC preset ({', '.join(SNAC_PRESETS)})")
+    return build_snac_decoder(SNAC_PRESETS[codec], dtype=torch.float32, device=device, seed=seed)
+
+
+class OrpheusHooks(I.EngineHooks):
+    constrains_logits = True
+
+    def __init__(self, model, engine_config):
+        from mstar.models.orpheus.codec_stage import OrpheusCodecStage
+        from mstar.models.tokenizer import load_tokenizer
+        name = str(engine_config.model)
+        self.device = model.device
+        self.vocab_size = int(model.config.vocab_size)
+        self.tokenizer = load_tokenizer(name)
+        decoder = load_codec(find_codec(name, engine_config.codec), self.device, engine_config.random_weights,
+                             int(engine_config.seed))
+        self.output_stage = OrpheusCodecStage(decoder)
+        self.accepts = {"voices": list(T.VOICES), "max_input_chars": MAX_INPUT_CHARS, "speeds": [1.0],
+                        "sample_rate": self.output_stage.sample_rate}
+        self._bias = None  # [CODES_PER_FRAME + 1, vocab] additive mask (0 / -inf) per frame position, built on first use
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def media_request(self, media: I.MediaRequest):
+        inp = media.inputs
+        text = inp.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("input: the text is empty")
+        if float(inp.get("speed", 1.0)) != 1.0:
+            raise ValueError("speed: this model speaks at one speed; use 1.0")
+        if inp.get("instructions"):
+            raise ValueError("instructions: this model takes none (emotion tags such as <laugh> go in the input)")
+        params = dict(T.DEFAULT_SAMPLING)
+        n = inp.get("max_new_tokens")
+        if n is not None:
+            params["max_tokens"] = int(n)
+        params.update(seed=int(media.seed), stop_token_ids=list(T.STOP_TOKEN_IDS), ignore_eos=True)
+        return T.format_prompt(self._encode, text, inp.get("voice")), params
+
+    def _position_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Row p < 7: 0 on the audio ids of frame position p (and, at p = 0, end of speech), -inf
+        elsewhere; row 7: zeros (a row that is not a speech request)."""
+        if self._bias is None or self._bias.dtype != dtype:
+            v = torch.arange(self.vocab_size, device=self.device)[None, :]
+            lo = (T.AUDIO_TOKEN_BASE + torch.arange(T.CODES_PER_FRAME, device=self.device) * T.CODEBOOK_SIZE)[:, None]
+            keep = (v >= lo) & (v < lo + T.CODEBOOK_SIZE)
+            keep[0] |= v[0] == T.END_OF_SPEECH  # speech ends only at a frame boundary
+            keep = torch.cat([keep, torch.ones_like(keep[:1])])
+            self._bias = torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
+        return self._bias
+
+    def constrain_logits(self, logits, request_ids, num_output_tokens) -> None:
+        pos = [n % T.CODES_PER_FRAME if r is not None else T.CODES_PER_FRAME
+               for r, n in zip(request_ids, num_output_tokens)]
+        rows = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        logits += self._position_bias(logits.dtype)[rows]
+
+
+FAMILY = register(Family(
+    name="orpheus", model_types=(), capabilities=frozenset({I.SYNTHESIZES_SPEECH}),
+    presets=PRESETS, config_from_dir=_from_dir, make_config=_make_config, model_class=_model_class,
+    preset_tokenizer=_preset_tokenizer, engine_hooks=OrpheusHooks, detect=_detect))
