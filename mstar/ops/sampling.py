@@ -79,9 +79,15 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     return _uniform_at(seeds, steps, torch.arange(vocab_size, device=seeds.device, dtype=torch.int64).unsqueeze(0))
 
 
+# On CUDA, set by mstar/ops/backends/triton_sampling.py: _uniform_at in one kernel (the same bits)
+UNIFORM_AT_CUDA = None
+
+
 def _uniform_at(seeds: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """uniform_noise(seeds, steps, V)[b, idx[b, j]] for idx [B, J] (or [1, J], the same columns
     for every row) int64, without the other columns."""
+    if idx.is_cuda and UNIFORM_AT_CUDA is not None and not torch.compiler.is_compiling():
+        return UNIFORM_AT_CUDA(seeds, steps, idx)
     a, b = _row_keys(seeds, steps)
     h = _mix32(_mix32(idx ^ a.unsqueeze(1)) ^ b.unsqueeze(1))
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)

@@ -16,7 +16,6 @@ Statistics and LSTMs run in float32 whatever the model's dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -82,6 +81,14 @@ class AdaIN1d(nn.Module):
         gamma, beta = self.fc(s).unsqueeze(-1).chunk(2, dim=1)
         return (1 + gamma) * self.norm(x, m) + beta
 
+    def act(self, x: torch.Tensor, s: torch.Tensor, m: torch.Tensor, *, alpha: torch.Tensor | None = None,
+            slope: float = 0.0) -> torch.Tensor:
+        """act(forward(x, s, m)) * m in one op (mstar.ops.adain_act): Snake with `alpha` [C],
+        else a leaky ReLU of `slope`."""
+        gamma, beta = self.fc(s).chunk(2, dim=1)
+        a = alpha if alpha is not None else x.new_empty(0)
+        return ops.adain_act(x, m, gamma, beta, self.norm.weight, self.norm.bias, a, float(slope), self.norm.eps)
+
 
 class AdaLayerNorm(nn.Module):
     """Layer norm over channels, no affine of its own, then (1 + gamma(s)) * x + beta(s); x [B, T, C]."""
@@ -115,14 +122,15 @@ class AdainResBlk1d(nn.Module):
                      if upsample else None)
 
     def forward(self, x: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = F.leaky_relu(self.norm1(x, s, m), 0.2)
+        h = self.norm1.act(x, s, m, slope=0.2)  # (masked)
         m2 = m
         if self.pool is not None:
-            h = self.pool(h * m)
+            h = self.pool(h)
             m2 = m.repeat_interleave(2, dim=-1)
-        h = self.conv1(h * m2)
-        h = F.leaky_relu(self.norm2(h, s, m2), 0.2)
-        h = self.conv2(h * m2)
+            h = h * m2
+        h = self.conv1(h)
+        h = self.norm2.act(h, s, m2, slope=0.2)
+        h = self.conv2(h)
         sc = x.repeat_interleave(2, dim=-1) if self.upsample else x  # nearest 2x
         if self.conv1x1 is not None:
             sc = self.conv1x1(sc)

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar import ops
 from mstar.models.kokoro.blocks import AdaIN1d, AdainResBlk1d, conv_out_len, conv_t_out_len, length_mask
 from mstar.models.kokoro.source import HarmonicSource
 
@@ -54,10 +53,8 @@ class AdaINResBlock1(nn.Module):
 
     def forward(self, x: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         for c1, c2, n1, n2, a1, a2 in zip(self.convs1, self.convs2, self.adain1, self.adain2, self.alpha1, self.alpha2):
-            h = ops.snake(n1(x, s, m), a1.view(-1))
-            h = c1(h * m)
-            h = ops.snake(n2(h, s, m), a2.view(-1))
-            x = c2(h * m) + x
+            h = c1(n1.act(x, s, m, alpha=a1.view(-1)))  # (masked)
+            x = c2(n2.act(h, s, m, alpha=a2.view(-1))) + x
         return x
 
 

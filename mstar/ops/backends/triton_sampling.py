@@ -83,6 +83,49 @@ def gumbel_argmax(lf: torch.Tensor, t: torch.Tensor, seeds: torch.Tensor, steps:
     return out
 
 
+@triton.jit
+def _mix32_i64(x):
+    # sampling._mix32 as it is, in int64: every product stays below 2^63, the same bits as torch's
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x045D9F3B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform_at_kernel(seeds_ptr, steps_ptr, idx_ptr, idx_row_stride, out_ptr, J, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.load(seeds_ptr + row).to(tl.int64)
+    t = tl.load(steps_ptr + row).to(tl.int64)
+    a = _mix32_i64(s & 0xFFFFFFFF)
+    a = _mix32_i64(a ^ ((s >> 32) & 0xFFFFFFFF))
+    a = _mix32_i64(a ^ (t & 0xFFFFFFFF))
+    a = _mix32_i64(a ^ ((t >> 32) & 0xFFFFFFFF))
+    b = _mix32_i64(a ^ 0x9E3779B9)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < J
+    i = tl.load(idx_ptr + row * idx_row_stride + offs, mask=ok, other=0).to(tl.int64)
+    h = _mix32_i64(_mix32_i64(i ^ a) ^ b)
+    u = ((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+    tl.store(out_ptr + row * J + offs, u, mask=ok)
+
+
+def uniform_at(seeds: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """sampling._uniform_at in one launch (the torch version is ~50 small kernels): the same
+    integer operations, so the same bits."""
+    B = seeds.shape[0]
+    J = idx.shape[1]
+    out = torch.empty((B, J), dtype=torch.float32, device=idx.device)
+    if B and J:
+        idx = idx if idx.stride(-1) == 1 else idx.contiguous()
+        row_stride = 0 if idx.shape[0] == 1 else idx.stride(0)
+        block = min(1024, triton.next_power_of_2(J))
+        _uniform_at_kernel[(B, triton.cdiv(J, block))](seeds.contiguous(), steps.contiguous(), idx, row_stride, out,
+                                                       J, BLOCK=block)
+    return out
+
+
 def _sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs):
     return sampling.sample_fast(logits, temperature, top_k, top_p, min_p, seeds, steps, num_logprobs,
                                 full_impl=gumbel_argmax)
@@ -92,3 +135,4 @@ register_backend(sampling.sample, "triton", _sample_triton, devices=("cuda",), p
                  available=torch.cuda.is_available,
                  note="torch_topk with a fused Triton Gumbel-max pass; opt-in (MSTAR_BACKENDS=sample=triton)")
 sampling.PLANNED_BACKENDS["triton"] = gumbel_argmax
+sampling.UNIFORM_AT_CUDA = uniform_at  # every backend's candidate noise on CUDA

@@ -344,15 +344,12 @@ async def until_done_or_gone(request: Request, coro):
     raise ClientGone()
 
 
-async def collect_job(request: Request, job: Job, states: list[ChoiceState]) -> None:
-    """Fold a non-streamed job's updates into `states`; the job is closed with its outcome
-    (a client that goes away aborts it at once)."""
-    async def collect():
-        async for i, u in job.events():
-            states[i].update(u)
-
+async def await_job(request: Request, job: Job, aw, *, close_on_success: bool = True):
+    """`aw`'s result, awaited while the client is there: a client that goes away aborts the job
+    at once, a failure closes it with its outcome (error, bad_request), success closes it as
+    success unless the caller goes on with it (close_on_success=False: a stream's first part)."""
     try:
-        await until_done_or_gone(request, collect())
+        result = await until_done_or_gone(request, aw)
     except ClientGone:
         job.close("aborted")
         raise ClientGone(counted=True) from None
@@ -363,7 +360,19 @@ async def collect_job(request: Request, job: Job, states: list[ChoiceState]) -> 
     except BaseException:
         job.close("error")
         raise
-    job.close("success")
+    if close_on_success:
+        job.close("success")
+    return result
+
+
+async def collect_job(request: Request, job: Job, states: list[ChoiceState]) -> None:
+    """Fold a non-streamed job's updates into `states`; the job is closed with its outcome
+    (a client that goes away aborts it at once)."""
+    async def collect():
+        async for i, u in job.events():
+            states[i].update(u)
+
+    await await_job(request, job, collect())
 
 
 async def run_job(request: Request, job: Job, n: int) -> list[ChoiceState]:

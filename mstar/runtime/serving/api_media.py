@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from mstar.models import interfaces as I
 from mstar.runtime.serving import api_protocol as P
 from mstar.runtime.serving.api_checks import check_model
-from mstar.runtime.serving.api_jobs import ClientGone, Job, until_done_or_gone
+from mstar.runtime.serving.api_jobs import Job, await_job
 from mstar.runtime.serving.api_protocol import APIError, bad
 
 logger = logging.getLogger("mstar.server")
@@ -161,19 +161,7 @@ async def collect_media(request: Request, job: Job) -> list[list]:
         async for i, o in job.events():
             outs[i].extend(o.media or ())
 
-    try:
-        await until_done_or_gone(request, collect())
-    except ClientGone:
-        job.close("aborted")
-        raise ClientGone(counted=True) from None
-    except APIError as e:
-        job.close("error" if e.status >= 500 else "bad_request")
-        e.counted = True
-        raise
-    except BaseException:
-        job.close("error")
-        raise
-    job.close("success")
+    await await_job(request, job, collect())
     return outs
 
 

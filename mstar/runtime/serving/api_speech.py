@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import logging
 import struct
@@ -63,11 +62,11 @@ from fastapi.responses import Response, StreamingResponse
 from mstar.models import interfaces as I
 from mstar.runtime.serving import api_protocol as P
 from mstar.runtime.serving.api_checks import check_model
-from mstar.runtime.serving.api_jobs import ClientGone, Job, until_done_or_gone
+from mstar.runtime.serving.api_jobs import Job, await_job
 from mstar.runtime.serving.api_media import (_choice, _encode, _max_chars, _seed, _text, _typed, _unknown,
                                              collect_media, start_media_job)
 from mstar.runtime.serving.api_protocol import APIError, bad
-from mstar.runtime.serving.api_sse import SSEResponse, sse_event
+from mstar.runtime.serving.api_sse import SSEResponse, pump_until_disconnect, sse_event
 
 logger = logging.getLogger("mstar.server")
 
@@ -269,20 +268,9 @@ async def _stream_speech(request: Request, job: Job, fmt: str, stream_format: st
                 return o
 
     try:
-        o = await until_done_or_gone(request, first())
-    except ClientGone:
-        job.close("aborted")
-        raise ClientGone(counted=True) from None
-    except APIError as e:
-        job.close("error" if e.status >= 500 else "bad_request")
-        e.counted = True
-        raise
-    except StopAsyncIteration:
-        job.close("error")
+        o = await await_job(request, job, first(), close_on_success=False)
+    except StopAsyncIteration:  # (the job is closed: error)
         raise APIError(500, "The model returned no audio.", code="internal_error") from None
-    except BaseException:
-        job.close("error")
-        raise
     chunks = _audio(o)
     if not chunks:
         job.close("error")
@@ -384,24 +372,8 @@ class JobStream(StreamingResponse):
             if outcome == "success":
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        async def listen():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        pump_t = asyncio.ensure_future(pump())
-        listen_t = asyncio.ensure_future(listen())
-        try:
-            await asyncio.wait({pump_t, listen_t}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (pump_t, listen_t):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump_t, listen_t, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.chunks.aclose()
-            job.close("aborted")  # a no-op when the pump closed it
+        # the job closed as aborted when the client left first (a no-op when the pump closed it)
+        await pump_until_disconnect(pump(), receive, self.chunks, lambda: job.close("aborted"))
 
 
 # -- GET /v1/audio/voices ----------------------------------------------------------------------

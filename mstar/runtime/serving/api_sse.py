@@ -59,6 +59,33 @@ def _body(ev: str) -> dict:
     return {"type": "http.response.body", "body": ev.encode("utf-8"), "more_body": True}
 
 
+async def pump_until_disconnect(pump, receive, chunks, on_close=None) -> asyncio.Task:
+    """Run `pump` (the coroutine that sends a streamed body) until it ends or the client
+    disconnects, whichever comes first; then cancel the other, close the `chunks` iterator (its
+    `finally` runs: the request is aborted in the engine) and call on_close (the iterator may
+    never have started, so no `finally` of its ran). Returns the pump's task, done."""
+    async def listen():
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    pump_t = asyncio.ensure_future(pump)
+    listen_t = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({pump_t, listen_t}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (pump_t, listen_t):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(pump_t, listen_t, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await chunks.aclose()
+        if on_close is not None:
+            on_close()
+    return pump_t
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events from an async iterator of strings.
 
@@ -111,25 +138,7 @@ class SSEResponse(StreamingResponse):
                     job.close(outcome)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        async def listen():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-
-        pump_t = asyncio.ensure_future(pump())
-        listen_t = asyncio.ensure_future(listen())
-        try:
-            await asyncio.wait({pump_t, listen_t}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (pump_t, listen_t):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(pump_t, listen_t, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.events.aclose()
-            if self.on_close is not None:  # the iterator may never have started (no finally ran)
-                self.on_close()
+        pump_t = await pump_until_disconnect(pump(), receive, self.events, self.on_close)
         if pump_t.done() and not pump_t.cancelled() and pump_t.exception() is not None:
             exc = pump_t.exception()
             if not isinstance(exc, OSError):
