@@ -382,7 +382,7 @@ def _record(args, engine: str, family: str, c: int, streams: list[Stream], wall:
     from mstar.bench.serve import git_commit
     rec = {"bench": "speech", "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "model": args.model, "family": family, "engine": engine, "concurrency": c,
-           "seconds_asked": args.seconds, "dtype": args.dtype,
+           "seconds_asked": args.seconds, "dtype": args.dtype, "backends": os.environ.get("MSTAR_BACKENDS", ""),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            **summarize(streams, wall), **extra}
     print(f"{engine:>18} c={c:<3} {rec['req_s']:>8} req/s  {rec['audio_s_per_s']:>8} audio s/s  first audio "
