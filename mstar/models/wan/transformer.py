@@ -1,0 +1,339 @@
+"""The Wan2.x diffusion transformer (Wan2.2 TI2V-5B shape) on mstar's op layer: one denoising
+forward, latents [B, C, F, H, W] + timesteps + text states -> the model's prediction [B, C_out, F, H, W].
+
+The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with its precisions:
+
+    patch embedding   Conv3d with kernel = stride = patch_size, done as one GEMM over the patches;
+                      tokens in (frame, row, column) order, S = f * h * w post-patch
+    condition         timestep t -> sinusoid (freq_dim, cos half first, float32) -> time_embedder
+                      (linear, SiLU, linear; float32 weights) = temb, cast to the model dtype ->
+                      time_proj(SiLU(temb)) = 6 modulation vectors per timestep; text states ->
+                      text_embedder (linear, GELU tanh, linear)
+                      timestep [B]: one per row; [B, S]: one per token (Wan2.2 TI2V's "expanded
+                      timesteps": the conditioning first frame at t = 0). The embedding runs once per
+                      distinct timestep value and is gathered per token (the same numbers as running
+                      it per token, a few rows of GEMM instead of S)
+    block (x N)       (shift, scale, gate, c_shift, c_scale, c_gate) = scale_shift_table + modulation,
+                      float32;
+                      x += gate * self_attn(LN(x) * (1 + scale) + shift)          (float32 residual)
+                      x += cross_attn(LN_affine(x), text)                          (model dtype)
+                      x += c_gate * ffn(LN(x) * (1 + c_scale) + c_shift)          (float32 residual)
+                      LNs in float32, norm1 / norm3 without affine, norm2 with (cross_attn_norm);
+                      attention: q, k RMSNorm over all heads together (width heads * head_dim), the
+                      self-attention's q, k rotated by the 3-D rotary; FFN: linear, GELU tanh, linear
+    output            (shift, scale) = scale_shift_table + temb (float32); proj_out(LN(x) * (1 + scale)
+                      + shift); unpatchify
+
+The 3-D rotary splits head_dim into t / h / w parts (h = w = 2 * (head_dim // 6), t the rest),
+each rotated by the token's frame / row / column index with the frequencies theta^(-2i/part)
+(theta 1e4, angles in float64, cos / sin tables in float32), complex-number style on interleaved
+pairs (x[2i], x[2i+1]) -- not the NeoX halves of mstar.ops.rotary_embedding.
+
+Parameter names follow diffusers' except three renames (transformer_weights.py maps them):
+attn{1,2}.to_out.0 -> attn{1,2}.to_out, ffn.net.0.proj -> ffn.proj_in, ffn.net.2 -> ffn.proj_out.
+`to_dtype` casts like diffusers' loader: everything in the dtype except its _keep_in_fp32_modules
+(time_embedder, the scale_shift_tables, norm2).
+
+Attention runs through ops.dense_attention with the batch flattened into ragged rows (every row the
+same length); the text of a batch has one length (diffusers pads UMT5 states to 512).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar import ops
+from mstar.models.wan.transformer_config import WanTransformerConfig
+
+ROPE_THETA = 10000.0
+FP32_MODULES = ("time_embedder", "scale_shift_table", "norm2")  # diffusers' _keep_in_fp32_modules with params
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """[N] -> [N, dim] float32: (cos(t f_i), sin(t f_i)) with f_i = max_period^(-i / (dim // 2))."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    ang = t.float()[:, None] * torch.exp(exponent)[None, :]
+    emb = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1)
+    return F.pad(emb, (0, 1)) if dim % 2 else emb
+
+
+def rope_tables(head_parts: tuple[int, int, int], max_len: int,
+                theta: float = ROPE_THETA) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per axis (t, h, w): (cos, sin) [max_len, part // 2] float32, one angle per rotated pair."""
+    pos = torch.arange(max_len, dtype=torch.float64)
+    out = []
+    for d in head_parts:
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.outer(pos, inv)
+        out.append((ang.cos().float(), ang.sin().float()))
+    return out
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), i.e. (x0 + i x1) * e^(i angle).
+    x [..., S, H, D]; cos / sin [S, 1, D // 2] float32; computed in float32, returned in x's dtype."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a weight (diffusers' norm_q / norm_k: torch.nn.RMSNorm over heads * head_dim)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps, False)
+
+
+class LayerNorm(nn.Module):
+    """Affine LayerNorm computed in float32 (diffusers' FP32LayerNorm with elementwise_affine)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 out."""
+        return ops.layer_norm(x.float(), self.weight, self.bias, self.eps)
+
+
+class MLP(nn.Module):
+    """linear -> act -> linear (act "tanh": GELU tanh; "silu": SiLU)."""
+
+    def __init__(self, dim_in: int, hidden: int, dim_out: int, act: str):
+        super().__init__()
+        self.linear_1 = nn.Linear(dim_in, hidden)
+        self.linear_2 = nn.Linear(hidden, dim_out)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_1(x)
+        h = ops.gelu(h, "tanh") if self.act == "tanh" else F.silu(h)
+        return self.linear_2(h)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, hidden)
+        self.proj_out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(ops.gelu(self.proj_in(x), "tanh"))
+
+
+def _indptr(rows: int, length: int) -> torch.Tensor:
+    return torch.arange(rows + 1, dtype=torch.int32) * length  # host tensor: the op reads it without a sync
+
+
+class WanAttention(nn.Module):
+    """Self-attention (context None; q, k rotated) or cross-attention to `context`, all heads of
+    width dim // heads, q / k RMSNorm-ed over the full width before the head split."""
+
+    def __init__(self, dim: int, heads: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = nn.Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        B, S, dim = x.shape
+        src = x if context is None else context
+        L = src.shape[1]
+        H, D = self.heads, self.head_dim
+        q = self.norm_q(self.to_q(x)).view(B, S, H, D)
+        k = self.norm_k(self.to_k(src)).view(B, L, H, D)
+        v = self.to_v(src).view(B, L, H, D)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = ops.dense_attention(q.reshape(B * S, H, D), k.reshape(B * L, H, D), v.reshape(B * L, H, D),
+                                _indptr(B, S), _indptr(B, L), 1.0 / math.sqrt(D), False)
+        return self.to_out(o.view(B, S, dim))
+
+
+class Modulation:
+    """Per-timestep modulation vectors (float32, [U, n, dim] for the U distinct timesteps) and the
+    index of each token's timestep ([B, S] or [B, 1]); `get(i)` -> the i-th vector per token."""
+
+    def __init__(self, table: torch.Tensor, inverse: torch.Tensor):
+        self.table, self.inverse = table, inverse
+
+    def get(self, i: int) -> torch.Tensor:
+        return self.table[:, i][self.inverse]  # [B, S | 1, dim]
+
+
+class WanBlock(nn.Module):
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        dim, eps = config.dim, config.eps
+        self.eps = float(eps)
+        self.attn1 = WanAttention(dim, config.num_attention_heads, eps)
+        self.attn2 = WanAttention(dim, config.num_attention_heads, eps)
+        self.norm2 = LayerNorm(dim, eps) if config.cross_attn_norm else None
+        self.ffn = FeedForward(dim, config.ffn_dim)
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim ** 0.5)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, proj: torch.Tensor, inverse: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], unit: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, S, dim]; context [B, L, dim]; proj [U, 6, dim] (time_proj per distinct timestep);
+        inverse [B, S | 1] (each token's timestep); unit: float32 (ones, zeros) for the plain LNs."""
+        mod = Modulation(self.scale_shift_table.float() + proj.float(), inverse)
+        dt = x.dtype
+        h = (ops.layer_norm(x.float(), *unit, self.eps) * (1 + mod.get(1)) + mod.get(0)).to(dt)
+        x = (x.float() + self.attn1(h, None, rope) * mod.get(2)).to(dt)
+        h = self.norm2(x).to(dt) if self.norm2 is not None else x
+        x = x + self.attn2(h, context)
+        h = (ops.layer_norm(x.float(), *unit, self.eps) * (1 + mod.get(4)) + mod.get(3)).to(dt)
+        return (x.float() + self.ffn(h).float() * mod.get(5)).to(dt)
+
+
+class ConditionEmbedder(nn.Module):
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        dim = config.dim
+        self.freq_dim = config.freq_dim
+        self.time_embedder = MLP(config.freq_dim, dim, dim, "silu")
+        self.time_proj = nn.Linear(dim, 6 * dim)
+        self.text_embedder = MLP(config.text_dim, dim, dim, "tanh")
+
+    def time(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """t [U] -> (temb [U, dim] in dtype, time_proj [U, 6, dim] in dtype)."""
+        w = self.time_embedder.linear_1.weight
+        temb = self.time_embedder(timestep_embedding(t, self.freq_dim).to(w.dtype)).to(dtype)
+        return temb, self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+
+
+class WanTransformer(nn.Module):
+    def __init__(self, config: WanTransformerConfig):
+        super().__init__()
+        config.check()
+        self.config = config
+        dim = config.dim
+        self.patch_size = tuple(config.patch_size)
+        self.patch_embedding = _PatchEmbedding(config.in_channels, dim, self.patch_size)
+        self.condition_embedder = ConditionEmbedder(config)
+        self.blocks = nn.ModuleList([WanBlock(config) for _ in range(config.num_layers)])
+        self.proj_out = nn.Linear(dim, config.out_channels * math.prod(self.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim ** 0.5)
+        self._rope: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    def to_dtype(self, dtype: torch.dtype) -> "WanTransformer":
+        """Everything in dtype except time_embedder, the scale_shift_tables and norm2 (float32, as
+        diffusers keeps them)."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if any(part in name.split(".") for part in FP32_MODULES):
+                p.data = p.data.float()
+        return self
+
+    def rope(self, f: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [f * h * w, 1, head_dim // 2] float32 for the post-patch grid."""
+        tables = self._rope.get(device)
+        if tables is None:
+            tables = [(c.to(device), s.to(device)) for c, s in
+                      rope_tables(self.config.rope_dims, self.config.rope_max_seq_len)]
+            self._rope[device] = tables
+        grid = (f, h, w)
+        out = []
+        for which in (0, 1):
+            parts = []
+            for axis, n in enumerate(grid):
+                shape = [1, 1, 1, -1]
+                shape[axis] = n
+                parts.append(tables[axis][which][:n].view(shape).expand(f, h, w, -1))
+            out.append(torch.cat(parts, dim=-1).reshape(f * h * w, 1, -1))
+        return out[0], out[1]
+
+    def _check(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> tuple[int, ...]:
+        c = self.config
+        if latents.dim() != 5 or latents.shape[1] != c.in_channels:
+            raise ValueError(f"wan transformer: latents must be [B, {c.in_channels}, F, H, W], got "
+                             f"{tuple(latents.shape)}")
+        B, _, Fr, H, W = latents.shape
+        pt, ph, pw = self.patch_size
+        if Fr % pt or H % ph or W % pw:
+            raise ValueError(f"wan transformer: latent F, H, W {(Fr, H, W)} must be multiples of the patch "
+                             f"{self.patch_size}")
+        f, h, w = Fr // pt, H // ph, W // pw
+        if max(f, h, w) > c.rope_max_seq_len:
+            raise ValueError(f"wan transformer: post-patch grid {(f, h, w)} exceeds rope_max_seq_len "
+                             f"{c.rope_max_seq_len}")
+        if timestep.shape not in ((B,), (B, f * h * w)):
+            raise ValueError(f"wan transformer: timestep must be [{B}] or [{B}, {f * h * w}] (one per token), "
+                             f"got {tuple(timestep.shape)}")
+        if text_states.dim() != 3 or text_states.shape[0] != B or text_states.shape[2] != c.text_dim:
+            raise ValueError(f"wan transformer: text_states must be [{B}, L, {c.text_dim}], got "
+                             f"{tuple(text_states.shape)}")
+        return B, f, h, w
+
+    @torch.inference_mode()
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> torch.Tensor:
+        """latents [B, C, F, H, W]; timestep [B] or [B, S] (S = post-patch tokens, per token);
+        text_states [B, L, text_dim] -> [B, C_out, F, H, W] in the model dtype."""
+        B, f, h, w = self._check(latents, timestep, text_states)
+        dt, dev = self.dtype, latents.device
+        x = self.patch_embedding(latents.to(dt))  # [B, S, dim]
+        rope = self.rope(f, h, w, dev)
+
+        uniq, inverse = torch.unique(timestep.reshape(-1), return_inverse=True)
+        inverse = inverse.view(B, -1)  # [B, S | 1]
+        temb, proj = self.condition_embedder.time(uniq, dt)
+        context = self.condition_embedder.text_embedder(text_states.to(dt))
+
+        dim = self.config.dim
+        unit = (torch.ones(dim, device=dev), torch.zeros(dim, device=dev))
+        for block in self.blocks:
+            x = block(x, context, proj, inverse, rope, unit)
+
+        mod = Modulation(self.scale_shift_table.float() + temb[:, None].float(), inverse)
+        x = (ops.layer_norm(x.float(), *unit, self.config.eps) * (1 + mod.get(1)) + mod.get(0)).to(dt)
+        return self.unpatchify(self.proj_out(x), f, h, w)
+
+    def unpatchify(self, x: torch.Tensor, f: int, h: int, w: int) -> torch.Tensor:
+        """[B, S, C_out * pt * ph * pw] (channel innermost) -> [B, C_out, f * pt, h * ph, w * pw]."""
+        pt, ph, pw = self.patch_size
+        B = x.shape[0]
+        y = x.view(B, f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return y.reshape(B, -1, f * pt, h * ph, w * pw)
+
+
+class _PatchEmbedding(nn.Module):
+    """Conv3d with kernel = stride = patch (parameters as nn.Conv3d's: weight [dim, C, pt, ph, pw], bias
+    [dim]), computed as a GEMM over the flattened patches: [B, C, F, H, W] -> [B, S, dim]."""
+
+    def __init__(self, in_channels: int, dim: int, patch: tuple[int, int, int]):
+        super().__init__()
+        conv = nn.Conv3d(in_channels, dim, kernel_size=patch, stride=patch)
+        self.weight, self.bias = conv.weight, conv.bias
+        self.patch = patch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, Fr, H, W = x.shape
+        pt, ph, pw = self.patch
+        f, h, w = Fr // pt, H // ph, W // pw
+        p = x.view(B, C, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(B, f * h * w, -1)
+        return F.linear(p, self.weight.flatten(1), self.bias)
