@@ -6,6 +6,7 @@ batch, typed outputs equal to the modules run by hand; then end to end through a
 from __future__ import annotations
 
 import base64
+import io
 import os
 import struct
 import time
@@ -23,6 +24,7 @@ from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
 from mstar.runtime.serving.api_media import png_bytes
 from mstar.runtime.serving.api_speech import pcm16
+from mstar.runtime.serving.api_video import mp4_bytes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,13 +37,19 @@ def _engine(family=None, pipeline=None) -> StageEngine:
     return StageEngine(EngineConfig(model="toy", device="cpu"), family=family, pipeline=pipeline)
 
 
-def _drain(engine: StageEngine, max_steps: int = 100) -> tuple[dict, list]:
-    """Step until done: ({request id: final CoreOutput}, [each step's trace])."""
+def _drain(engine: StageEngine, max_steps: int = 100, progress: dict | None = None) -> tuple[dict, list]:
+    """Step until done: ({request id: final CoreOutput}, [each step's trace]); the loop stages'
+    progress outputs go to `progress` ({request id: [(stage, done, steps), ...]})."""
     outs, traces = {}, []
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
         for o in engine.step():
+            if not o.finished:
+                assert o.progress is not None and not o.media and o.request_id not in outs
+                if progress is not None:
+                    progress.setdefault(o.request_id, []).append(o.progress)
+                continue
             assert o.request_id not in outs
             outs[o.request_id] = o
         traces.append(engine.last_step)
@@ -93,7 +101,10 @@ def test_sizes_interleave_and_a_batch_is_joined_only_at_its_start():
     assert eng.last_step[0] == (0, "run", None, 1)
     assert _loop_steps(eng.last_step) == {small: 2, wide: 1}
     assert eng.stats()["waiting"] == 1 and eng.stats()["running"] == 3
-    outs, traces = _drain(eng)
+    progress: dict = {}
+    outs, traces = _drain(eng, progress=progress)
+    # "d" ran its whole loop here: one progress output per denoise step, in order
+    assert progress["d"] == [(1, i, T.NUM_STEPS) for i in range(1, T.NUM_STEPS + 1)]
     starts = [i for i, tr in enumerate(traces) for k, what, key, n in tr if what == "start"]
     finishes = [i for i, tr in enumerate(traces) for k, what, key, n in tr if what == "finish" and key == small]
     assert starts and starts[0] == finishes[0]  # "d" starts in the step its size's batch finishes
@@ -411,13 +422,93 @@ def test_images_end_to_end(servers):
     r = s.post("/v1/images/generations", {"prompt": "default size", "seed": 1})
     assert r.status_code == 200
     assert _png_pixels(base64.b64decode(r.json()["data"][0]["b64_json"])).shape == (32, 32, 3)
+    s.wait_idle()
 
-    r = s.post("/v1/videos", {"prompt": "a clip", "size": "32x32", "num_frames": 3, "seed": 9})
+
+def _mp4_frames(data: bytes) -> np.ndarray:
+    import av
+    with av.open(io.BytesIO(data)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+
+
+def _near(frames: np.ndarray, ref: np.ndarray) -> float:
+    """Mean absolute difference (0..255) of a decoded MP4 and the frames it was made of: H.264
+    (crf 18, 4:2:0 chroma) of the toy's noisy 32 x 32 frames lands near 7 (another seed's: 9)."""
+    assert frames.shape == ref.shape
+    return float(np.abs(frames.astype(np.int64) - ref.astype(np.int64)).mean())
+
+
+def test_videos_sync_and_async_jobs(servers):
+    s = servers["image"]
+    m = T.build_image(0)
+    ref = T.reference_image(m, "a clip", 32, 32, 9, num_frames=3)
+    other = T.reference_image(m, "a clip", 32, 32, 10, num_frames=3)
+    body = {"prompt": "a clip", "size": "32x32", "num_frames": 3, "seed": 9}
+    r = s.post("/v1/videos/sync", body)
     assert r.status_code == 200, r.text
-    v = r.json()
-    assert v["object"] == "video" and v["status"] == "completed" and v["num_frames"] == 3
-    frames = np.stack([_png_pixels(base64.b64decode(f["b64_json"])) for f in v["frames"]])
-    _close(frames, T.reference_image(m, "a clip", 32, 32, 9, num_frames=3))
+    assert r.headers["content-type"] == "video/mp4" and r.headers["x-num-frames"] == "3"
+    frames = _mp4_frames(r.content)
+    # the encoder is deterministic: the reference frames, encoded here, decode to the same pixels
+    assert np.array_equal(frames, _mp4_frames(mp4_bytes(ref, T.FPS)))
+    assert not np.array_equal(frames, _mp4_frames(mp4_bytes(other, T.FPS)))
+    assert _near(frames, ref) < 12
+
+    r = s.post("/v1/videos", body)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress", "completed")
+    assert (job["size"], job["num_frames"], job["prompt"]) == ("32x32", 3, "a clip")
+    deadline = time.monotonic() + 60
+    while (rec := s.get(f"/v1/videos/{job['id']}").json())["status"] != "completed":
+        assert rec["status"] in ("queued", "in_progress") and time.monotonic() < deadline, rec
+        time.sleep(0.05)
+    assert rec["progress"] == 100 and rec["completed_at"] >= rec["created_at"] and rec["error"] is None
+    r = s.get(f"/v1/videos/{job['id']}/content")
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    assert np.array_equal(_mp4_frames(r.content), frames)  # the same request, the same video
+    assert job["id"] in [v["id"] for v in s.get("/v1/videos").json()["data"]]
+    r = httpx.delete(s.url + f"/v1/videos/{job['id']}", timeout=30)
+    assert r.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert _err(s.get(f"/v1/videos/{job['id']}"), 404, "video_id")["code"] == "video_not_found"
+
+    # a slow job: progress while it runs, content not ready, cancelled by DELETE (engine idle after)
+    r = s.post("/v1/videos", {"prompt": "slow: clip", "size": "32x32", "num_frames": 2, "seed": 1})
+    vid = r.json()["id"]
+    seen = set()
+    deadline = time.monotonic() + 30
+    while not any(0 < p < 100 for p in seen):
+        rec = s.get(f"/v1/videos/{vid}").json()
+        seen.add(rec["progress"])
+        assert rec["status"] != "failed" and time.monotonic() < deadline, rec
+        time.sleep(0.02)
+    assert rec["status"] == "in_progress"
+    assert _err(s.get(f"/v1/videos/{vid}/content"), 409, "video_id")["code"] == "video_not_ready"
+    assert httpx.delete(s.url + f"/v1/videos/{vid}", timeout=30).json()["deleted"] is True
+    stats = s.wait_idle()
+    assert stats.get("running", 0) == 0
+    assert _err(s.get(f"/v1/videos/{vid}"), 404, "video_id")
+
+
+def test_video_bad_requests(servers):
+    s = servers["image"]
+    for route in ("/v1/videos", "/v1/videos/sync"):
+        for body, param in (({"prompt": "x", "num_frames": 99}, "num_frames"),
+                            ({"prompt": "x", "seconds": "forever"}, "seconds"),
+                            ({"prompt": "x", "num_frames": 2, "seconds": 1}, "seconds"),
+                            ({"num_frames": 2}, "prompt"), ({"prompt": "x", "num_frames": 2, "size": "31x31"}, "size"),
+                            ({"prompt": "x", "num_frames": 2, "width": 32}, "height"),
+                            ({"prompt": "x", "num_frames": 2, "num_inference_steps": 0}, "num_inference_steps"),
+                            ({"prompt": "x", "num_frames": 2, "guidance_scale": 30}, "guidance_scale"),
+                            ({"prompt": "x", "num_frames": 2, "flow_shift": 0}, "flow_shift"),
+                            ({"prompt": "x", "num_frames": 2, "fps": 0}, "fps"),
+                            ({"prompt": "x", "num_frames": 2, "input_reference": "aGVsbG8="}, "input_reference"),
+                            ({"prompt": "x", "num_frames": 2, "image_reference": "x"}, "image_reference"),
+                            ({"prompt": "x", "num_frames": 2, "quality": "hd"}, "quality")):
+            _err(s.post(route, body), 400, param)
+    _err(s.get("/v1/videos/nope/content"), 404, "video_id")
+    assert _err(httpx.delete(s.url + "/v1/videos/nope", timeout=30), 404)["code"] == "video_not_found"
+    # the speech server has no video routes
+    assert _err(servers["speech"].get("/v1/videos"), 400)["code"] == "unsupported_endpoint"
     s.wait_idle()
 
 
@@ -430,8 +521,6 @@ def test_images_bad_requests_and_failures(servers):
                         ({"prompt": "x", "seed": 1.5}, "seed"), ({"prompt": "x" * 201}, "prompt"),
                         ({"prompt": "x", "style": "vivid"}, "style")):
         _err(s.post("/v1/images/generations", body), 400, param)
-    _err(s.post("/v1/videos", {"prompt": "x", "num_frames": 99}), 400, "num_frames")
-    _err(s.post("/v1/videos", {"prompt": "x", "seconds": "forever"}), 400, "seconds")
     assert _err(s.post("/v1/audio/speech", {"input": "x"}), 400)["code"] == "unsupported_endpoint"
     assert _err(s.post("/v1/completions", {"prompt": "x"}), 400)["code"] == "unsupported_endpoint"
     # the model fails on a request: a 500 for it, and the server goes on

@@ -194,6 +194,8 @@ class CoreOutput:
     # VideoFrames), and what went wrong when finish_reason is "error"; None for token requests
     media: list | None = None
     error: str | None = None
+    # stage-engine requests in a fixed-step loop stage: (stage index, steps done, steps) after each step
+    progress: tuple[int, int, int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,9 @@ queue, grouped by the stage's `batch_key`. One engine step visits the stages in 
 so batches of different keys (image sizes) interleave step by step, and an abort takes effect
 between two steps. A request whose stage finished joins the next stage's queue with the outputs
 as `inputs["previous"]` (in the same engine step: later stages are visited after it); after the
-last stage its outputs leave as one CoreOutput(media=outputs, finish_reason="stop").
+last stage its outputs leave as one CoreOutput(media=outputs, finish_reason="stop"). After each
+step of a loop stage every live request of the batch gets CoreOutput(progress=(stage index, steps
+done, steps)) (the API shows it as a job's progress).
 
 An aborted request leaves at once: from its queue, or from its running loop batch (a batch whose
 requests are all aborted is dropped, with its state; one that still has others runs on, and the
@@ -292,6 +294,8 @@ class StageEngine:
                 if r is not None:  # a step may return the new state (or update it in place)
                     b.state = r
                 b.i += 1
+                outputs.extend(CoreOutput(q.rid, [], None, progress=(k, b.i, b.n)) for q in b.reqs
+                               if self._reqs.get(q.rid) is q)
             if b.i >= b.n:
                 running.remove(b)
                 trace.append((k, "finish", b.key, len(b.reqs)))

@@ -8,9 +8,9 @@ POST /v1/images/generations (GENERATES_IMAGES), OpenAI's schema:
     model, prompt (required), n (1..10: n sequences, seeds seed, seed+1, ...), size "WxH" (one
     of accepts["sizes"]; default the first), response_format b64_json (PNG), output_format png,
     seed (default: random), user. Response {"created", "data": [{"b64_json"}, ...]}.
-POST /v1/videos (GENERATES_VIDEO), minimal and synchronous:
-    model, prompt (required), size, seconds or num_frames (at most accepts["max_frames"]), seed.
-    Response {"id", "object": "video", "status": "completed", "frames": [b64 PNG, ...], "fps", ...}.
+    plus the diffusion controls the video routes take too (generation_fields): negative_prompt,
+    num_inference_steps, guidance_scale, flow_shift.
+The video routes are in api_video.py.
 
 Errors: a field that is wrong is a 400 in OpenAI's error schema (param names it); a model that
 fails on a request is a 500 (internal_error), for that request only. A client that goes away
@@ -41,10 +41,11 @@ from mstar.runtime.serving.api_protocol import APIError, bad
 
 logger = logging.getLogger("mstar.server")
 
-IMAGE_FIELDS = frozenset({"model", "prompt", "n", "size", "response_format", "output_format", "seed", "user"})
-VIDEO_FIELDS = frozenset({"model", "prompt", "size", "seconds", "num_frames", "seed", "user"})
+IMAGE_FIELDS = frozenset({"model", "prompt", "n", "size", "response_format", "output_format", "seed", "user",
+                          "negative_prompt", "num_inference_steps", "guidance_scale", "flow_shift"})
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10
+MAX_STEPS = 200  # num_inference_steps, unless the model says (accepts["max_steps"])
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
@@ -136,6 +137,29 @@ def _max_chars(server, default: int) -> int:
     return int(v) if isinstance(v, int) and v > 0 else default
 
 
+def generation_fields(server, body: dict) -> dict:
+    """The diffusion controls the image and video routes share; only the given ones (the model
+    has its defaults)."""
+    out = {}
+    neg = _text(body, "negative_prompt", _max_chars(server, MAX_PROMPT_CHARS), required=False)
+    if neg is not None:
+        out["negative_prompt"] = neg
+    steps = P._int(body, "num_inference_steps", None, lo=1, hi=int(server.accepts.get("max_steps") or MAX_STEPS))
+    if steps is not None:
+        out["num_inference_steps"] = steps
+    g = P._num(body, "guidance_scale")
+    if g is not None:
+        if not 0.0 <= g <= 20.0:
+            raise bad("guidance_scale", f"Invalid 'guidance_scale': must be in [0, 20], got {g:g}.", "invalid_value")
+        out["guidance_scale"] = g
+    s = P._num(body, "flow_shift")
+    if s is not None:
+        if not 0.0 < s <= 100.0:
+            raise bad("flow_shift", f"Invalid 'flow_shift': must be in (0, 100], got {s:g}.", "invalid_value")
+        out["flow_shift"] = s
+    return out
+
+
 # -- jobs --------------------------------------------------------------------------------------
 async def start_media_job(server, request: Request, endpoint: str, items: list[tuple[dict, int]]) -> Job:
     """Admit a request's media sequences ((inputs, seed) each) and send them to the engine."""
@@ -188,7 +212,9 @@ async def images(server, request: Request, body: dict):
     _choice(body, "output_format", ("png",), "png")
     P._str(body, "user")
     seed = _seed(body, None)
-    items = [({"prompt": prompt, "width": w, "height": h, "size": size}, (seed + j) % P.MAX_SEED) for j in range(n)]
+    extra = generation_fields(server, body)
+    items = [({"prompt": prompt, "width": w, "height": h, "size": size, **extra}, (seed + j) % P.MAX_SEED)
+             for j in range(n)]
     job = await start_media_job(server, request, "images", items)
     outs = await collect_media(request, job)
     pics = [p for o in outs for p in _typed(o, I.Image, "image")]
@@ -196,45 +222,3 @@ async def images(server, request: Request, body: dict):
     return JSONResponse({"created": int(time.time()), "data": data, "size": size, "output_format": "png",
                          "model": model},
                         headers={"x-request-id": f"img-{uuid.uuid4().hex[:16]}"})
-
-
-# -- POST /v1/videos ---------------------------------------------------------------------------
-async def videos(server, request: Request, body: dict):
-    _unknown(body, VIDEO_FIELDS)
-    model = check_model(server.settings, P._str(body, "model"))
-    prompt = _text(body, "prompt", _max_chars(server, MAX_PROMPT_CHARS))
-    w, h, size = _size(server, body)
-    fps = float(server.accepts.get("fps") or 8)
-    max_frames = int(server.accepts.get("max_frames") or 256)
-    frames = P._int(body, "num_frames", None, lo=1, hi=max_frames)
-    seconds = body.get("seconds")
-    if isinstance(seconds, str):  # OpenAI's schema sends seconds as a string ("4")
-        try:
-            seconds = float(seconds)
-        except ValueError:
-            raise bad("seconds", f"Invalid 'seconds': {seconds!r} is not a number.", "invalid_type") from None
-        body = dict(body, seconds=seconds)
-    seconds = P._num(body, "seconds")
-    if frames is not None and seconds is not None:
-        raise bad("seconds", "Give 'seconds' or 'num_frames', not both.", "invalid_value")
-    if frames is None:
-        secs = 4.0 if seconds is None else seconds
-        frames = round(secs * fps)
-        if not 1 <= frames <= max_frames:
-            raise bad("seconds", f"Invalid 'seconds': {secs:g} s at {fps:g} fps is {frames} frames; this model "
-                                 f"makes 1 to {max_frames}.", "invalid_value")
-    P._str(body, "user")
-    seed = _seed(body, None)
-    inputs = {"prompt": prompt, "width": w, "height": h, "size": size, "num_frames": frames, "fps": fps}
-    job = await start_media_job(server, request, "videos", [(inputs, seed)])
-    (outs,) = await collect_media(request, job)
-    clips = _typed(outs, I.VideoFrames, "video frames")
-    pics = [f for c in clips for f in np.asarray(c.frames)]
-    out_fps = float(clips[0].fps)
-    encoded = [await _encode(server, _b64_png, f) for f in pics]
-    vid = f"video_{uuid.uuid4().hex[:24]}"
-    return JSONResponse({"id": vid, "object": "video", "model": model, "status": "completed", "progress": 100,
-                         "created_at": int(time.time()), "size": size, "seconds": str(len(pics) / out_fps),
-                         "fps": out_fps, "num_frames": len(pics), "output_format": "png_frames",
-                         "frames": [{"b64_json": e} for e in encoded]},
-                        headers={"x-request-id": vid})

@@ -25,7 +25,8 @@ completion endpoints (multipart form, OpenAI's schema; transcribe.py): the audio
 and cut into 30 s windows here, each window is one engine sequence carrying its samples.
 Speech models (a stage pipeline such as Kokoro's, or a speech LM with its codec output stage
 such as Orpheus) serve POST /v1/audio/speech and GET /v1/audio/voices (api_speech.py); image and
-video models (stage pipelines) POST /v1/images/generations and /v1/videos (api_media.py).
+video models (stage pipelines) POST /v1/images/generations (api_media.py) and the /v1/videos
+routes (api_video.py).
 Each generation route needs its capability (interfaces.py, from the engine's start-up info);
 a route the model lacks is a 400 (unsupported_endpoint).
 
@@ -40,7 +41,8 @@ The rest lives in:
     api_tokenize.py      POST /tokenize, /detokenize
     transcription_api.py POST /v1/audio/transcriptions, /v1/audio/translations
     api_speech.py        POST /v1/audio/speech, GET /v1/audio/voices
-    api_media.py         POST /v1/images/generations, /v1/videos (and what the media routes share)
+    api_media.py         POST /v1/images/generations (and what the media routes share)
+    api_video.py         POST /v1/videos (async jobs), /v1/videos/sync; GET, DELETE /v1/videos/{id}
     api_protocol.py      request parsing and OpenAI's error schema
 """
 
@@ -63,6 +65,7 @@ from mstar.models import interfaces as I
 from mstar.runtime.serving import api_media as AM
 from mstar.runtime.serving import api_protocol as P
 from mstar.runtime.serving import api_speech as AS
+from mstar.runtime.serving import api_video as AV
 from mstar.runtime.serving import transcription_api as TA
 from mstar.runtime.serving.api_chat import chat_completions
 from mstar.runtime.serving.api_completions import completions
@@ -112,7 +115,7 @@ _ROUTES = ((I.GENERATES_TOKENS, "POST /v1/completions and /v1/chat/completions")
            (I.TRANSCRIBES, "POST /v1/audio/transcriptions and /v1/audio/translations"),
            (I.SYNTHESIZES_SPEECH, "POST /v1/audio/speech and GET /v1/audio/voices"),
            (I.GENERATES_IMAGES, "POST /v1/images/generations"),
-           (I.GENERATES_VIDEO, "POST /v1/videos"))
+           (I.GENERATES_VIDEO, "POST /v1/videos (async) and /v1/videos/sync"))
 _ROUTE_OF = {"completions": "POST /v1/completions", "chat": "POST /v1/chat/completions",
              "speech": "POST /v1/audio/speech", "voices": "GET /v1/audio/voices",
              "images": "POST /v1/images/generations", "videos": "POST /v1/videos"}
@@ -299,14 +302,19 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
     async def speech_route(request: Request):
         return await handle(request, "speech", AS.speech)
 
-    @app.get("/v1/audio/voices")
-    async def voices_route(request: Request):
+    def gated(request: Request, endpoint: str, fn):
+        """Auth + capability + errors for the GET / DELETE routes without a body."""
         try:
             check_auth(request)
-            check_endpoint("voices")
-            return JSONResponse(AS.voices(server))
+            check_endpoint(endpoint)
+            out = fn()
+            return out if isinstance(out, Response) else JSONResponse(out)
         except APIError as e:
             return error_response(e)
+
+    @app.get("/v1/audio/voices")
+    async def voices_route(request: Request):
+        return gated(request, "voices", lambda: AS.voices(server))
 
     @app.post("/v1/images/generations")
     async def images_route(request: Request):
@@ -314,7 +322,27 @@ def build_app(settings: ServerSettings, engine, tokenizer, output_processor=None
 
     @app.post("/v1/videos")
     async def videos_route(request: Request):
-        return await handle(request, "videos", AM.videos)
+        return await handle(request, "videos", AV.create)
+
+    @app.post("/v1/videos/sync")
+    async def videos_sync_route(request: Request):
+        return await handle(request, "videos", AV.sync)
+
+    @app.get("/v1/videos")
+    async def videos_list_route(request: Request):
+        return gated(request, "videos", lambda: AV.listing(server))
+
+    @app.get("/v1/videos/{video_id}")
+    async def video_route(request: Request, video_id: str):
+        return gated(request, "videos", lambda: AV.retrieve(server, video_id))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content_route(request: Request, video_id: str):
+        return gated(request, "videos", lambda: AV.content(server, video_id))
+
+    @app.delete("/v1/videos/{video_id}")
+    async def video_delete_route(request: Request, video_id: str):
+        return gated(request, "videos", lambda: AV.delete(server, video_id))
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):
