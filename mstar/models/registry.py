@@ -5,8 +5,8 @@ tokenizer lookup, the presets and the runtime ask the registry, never a family b
     family.capabilities                            # interfaces.py names
     family.model_class(config), family.config_from_dir(path, raw_config)
 
-Families built in: qwen3_5, qwen3, llama, orpheus, whisper, kokoro (each a package `mstar/models/<family>/` whose
-`family.py` calls `register`). More come from plugins: MSTAR_MODEL_PLUGINS names modules that
+Families built in: qwen3_5, qwen3, llama, orpheus, whisper, kokoro, wan (each a package `mstar/models/<family>/`
+whose `family.py` calls `register`). More come from plugins: MSTAR_MODEL_PLUGINS names modules that
 call `register` when imported (read once, at the first lookup; spawned engine processes read
 the same environment).
 """
@@ -23,7 +23,9 @@ from mstar import knobs
 from mstar.models.presets import Preset
 
 _BUILTIN = ("mstar.models.qwen3_5.family", "mstar.models.qwen3.family", "mstar.models.llama.family",
-            "mstar.models.orpheus.family", "mstar.models.whisper.family", "mstar.models.kokoro.family")
+            "mstar.models.orpheus.family", "mstar.models.whisper.family", "mstar.models.kokoro.family",
+            "mstar.models.wan.family")
+PIPELINE_INDEX = "model_index.json"  # a diffusers pipeline directory's (it has no config.json)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Family:
     their requests with (mstar/models/whisper/transcription.py shows the methods they call).
     detect(raw config.json) -> True: the family claims the checkpoint before the model_type lookup
     (a family whose checkpoints have another family's model_type: Orpheus is a Llama checkpoint).
+    pipeline_classes: the `_class_name`s of the diffusers pipeline directories it reads (their
+    model_index.json stands for config.json: read_config_json returns it, config_from_dir gets it).
     """
     name: str
     model_types: tuple[str, ...]
@@ -59,6 +63,7 @@ class Family:
     pipeline: Callable[..., Any] | None = None
     transcriber: Callable[[int, Any], Any] | None = None
     detect: Callable[[dict], bool] | None = None
+    pipeline_classes: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
 
@@ -72,6 +77,7 @@ def register(family: Family) -> Family:
         if other.name == family.name:
             continue
         clash = set(other.model_types) & set(family.model_types)
+        clash |= set(other.pipeline_classes) & set(family.pipeline_classes)
         clash |= {p.name for p in other.presets} & {p.name for p in family.presets}
         if clash:
             raise ValueError(f"family {family.name!r}: {sorted(clash)} already belong to {other.name!r}")
@@ -121,11 +127,13 @@ def family_of_preset(p: Preset) -> Family:
 
 
 def read_config_json(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json")
-    with open(cfg_path) as f:
-        return json.load(f)
+    """A checkpoint directory's config.json, or a diffusers pipeline directory's model_index.json."""
+    for name in ("config.json", PIPELINE_INDEX):
+        cfg_path = os.path.join(path, name)
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                return json.load(f)
+    raise FileNotFoundError(f"{path!r} has no config.json (nor a diffusers {PIPELINE_INDEX})")
 
 
 def family_of_model_type(model_type: str) -> Family:
@@ -149,7 +157,13 @@ def checkpoint_model_type(raw: dict) -> str:
 
 
 def family_of_checkpoint(raw: dict) -> Family:
-    """The family of a checkpoint's config.json: one whose `detect` claims it, else by model_type."""
+    """The family of a checkpoint's config.json: one whose `detect` claims it, else by model_type
+    (a diffusers model_index.json: the family listing its `_class_name` in pipeline_classes)."""
+    cls = raw.get("_class_name")
+    if isinstance(cls, str) and "model_type" not in raw:
+        for f in families():
+            if cls in f.pipeline_classes:
+                return f
     for f in families():
         if f.detect is not None and f.detect(raw):
             return f
@@ -157,7 +171,7 @@ def family_of_checkpoint(raw: dict) -> Family:
 
 
 def family_of(name_or_dir: str) -> Family:
-    """The family of a checkpoint directory (its config.json) or a preset name."""
+    """The family of a checkpoint directory (its config.json or model_index.json) or a preset name."""
     if os.path.isdir(name_or_dir):
         return family_of_checkpoint(read_config_json(name_or_dir))
     p = preset(name_or_dir)

@@ -76,7 +76,9 @@ def mp4_bytes(frames: np.ndarray, fps: float) -> bytes:
         stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = px.shape[2], px.shape[1], "yuv420p"
         if codec == "libx264":
-            stream.options = {"crf": "18", "preset": "veryfast"}
+            # x264 with frame threads is not bit-reproducible run to run (rate control sees the
+            # threads finish in varying order); sliced threads are, and still use every core
+            stream.options = {"crf": "18", "preset": "veryfast", "sliced-threads": "1"}
         for f in px:
             out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         out.mux(stream.encode())

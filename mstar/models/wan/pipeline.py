@@ -1,0 +1,311 @@
+"""Wan2.2 TI2V generation as three stages of the stage engine: text encoder -> denoise loop -> VAE
+decode. The computation is diffusers' WanPipeline (text-to-video, text-to-image as one frame) and
+WanImageToVideoPipeline with expand_timesteps (how diffusers runs TI2V-5B image-to-video), 0.36,
+request by request:
+
+    encode (one-shot)   the prompt and, with guidance, the negative prompt (default "") through
+                        UMT5: [512, d_model] states each, cut to the prompt's tokens and zero-padded
+                        (text_encoder.py); the distinct texts of a batch in one encoder call
+    denoise (loop)      latents [1, z, 1 + (F - 1) // 4, H / 16, W / 16] float32, drawn as diffusers'
+                        prepare_latents draws them: torch.randn of that shape from a CPU
+                        torch.Generator seeded with the request's seed, then moved to the device
+                        (diffusers' randn_tensor with generator=torch.Generator().manual_seed(seed));
+                        the scheduler (FlowUniPCScheduler: UniPC with flow sigmas, flow_shift) has one
+                        state per request; each step is one transformer forward over the batch's
+                        rows, the cond rows then (guidance_scale > 1) the uncond rows, guided per
+                        request in the transformer's dtype: uncond + g * (cond - uncond), then the
+                        scheduler step on the float32 latents
+    image-to-video      (expand_timesteps) the image, resized to W x H (PIL Lanczos, as diffusers'
+                        VideoProcessor; none when it has that size) and scaled to [-1, 1], is one
+                        frame through the VAE encoder (the posterior mean), normalised
+                        ((z - mean) / std); every step the transformer sees the first latent frame
+                        replaced by it, at timestep 0 (per-token timesteps: t elsewhere), and the
+                        final latents get it too
+    decode (one-shot)   denormalised latents (z * std + mean, in the VAE's dtype) through the VAE
+                        decoder; pixels (v / 2 + 0.5).clamp(0, 1), as float32, * 255 rounded to uint8
+                        (diffusers' np output, and its numpy_to_pil rounding)
+
+Frames: num_frames not of the form 4k + 1 is rounded as diffusers does (n // 4 * 4 + 1), so the
+video may have a few frames more or fewer than asked (8 -> 9, 3 -> 1).
+
+A request's inputs (MediaRequest.inputs, what the image / video routes pass):
+
+    prompt (required), negative_prompt, width + height (one of `sizes`, as "WxH"), num_frames
+    (absent: an image -> interfaces.Image; given: a video -> interfaces.VideoFrames, even of one
+    frame), fps (of the VideoFrames; default the model's), num_inference_steps, guidance_scale,
+    flow_shift (default: the scheduler config's), image (uint8 [h, w, 3] RGB: image-to-video)
+
+Batching: the denoise loop batches requests of one (height, width, frames, steps, guidance > 1,
+image or not); their prompts, seeds, guidance scales and flow shifts may differ (a scheduler state
+and a guidance scale per request). Decode batches one (height, width, frames). A request the
+pipeline cannot take fails in the first stage's batch_key, alone, with "field: message".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar.models import interfaces as I
+
+MAX_INPUT_CHARS = 4000
+MAX_STEPS = 200
+
+
+@dataclass
+class Params:
+    """A request's validated generation parameters."""
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    frames: int  # after diffusers' 4k + 1 rounding
+    video: bool  # VideoFrames out (num_frames given), else an Image
+    fps: float
+    steps: int
+    guidance: float
+    flow_shift: float | None
+    image: np.ndarray | None
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance > 1.0
+
+
+def round_frames(n: int, temporal: int = 4) -> int:
+    """diffusers' rule: num_frames - 1 must divide by the VAE's temporal factor, else n // 4 * 4 + 1."""
+    if n % temporal != 1:
+        n = n // temporal * temporal + 1
+    return max(n, 1)
+
+
+def _bad(field: str, msg: str) -> ValueError:
+    return ValueError(f"{field}: {msg}")
+
+
+def _number(inputs: dict, name: str, default, kind=float):
+    v = inputs.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise _bad(name, f"must be a finite number, got {v!r}")
+    if kind is int:
+        if float(v) != int(v):
+            raise _bad(name, f"must be an integer, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def image_tensor(image: np.ndarray, width: int, height: int) -> torch.Tensor:
+    """uint8 [h, w, 3] -> float32 [3, height, width] in [-1, 1], as diffusers' VideoProcessor.preprocess
+    does a PIL image (Lanczos resize when the size differs; x / 255 in float32, then 2x - 1)."""
+    px = np.ascontiguousarray(image, dtype=np.uint8)
+    if px.shape[0] != height or px.shape[1] != width:
+        try:
+            from PIL import Image as PILImage
+        except ImportError:  # no PIL: torch's antialiased bicubic (close, not diffusers' numbers)
+            t = torch.from_numpy(px).permute(2, 0, 1)[None].float()
+            t = torch.nn.functional.interpolate(t, size=(height, width), mode="bicubic", antialias=True)
+            px = t.round().clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy()
+        else:
+            px = np.asarray(PILImage.fromarray(px, "RGB").resize((width, height), resample=PILImage.LANCZOS))
+    x = torch.from_numpy(px.astype(np.float32) / 255.0).permute(2, 0, 1)
+    return 2.0 * x - 1.0
+
+
+class WanPipeline(I.Pipeline):
+    """The stages (module docstring) over loaded components: transformer (WanTransformer), vae
+    (WanVAE), text_encoder (WanTextEncoder), scheduler (FlowUniPCScheduler)."""
+
+    def __init__(self, transformer, vae, text_encoder, scheduler, *, expand_timesteps: bool = True,
+                 sizes=("1280x704",), max_frames: int = 121, fps: float = 24.0, num_inference_steps: int = 50,
+                 guidance_scale: float = 5.0, max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
+                 max_steps: int = MAX_STEPS):
+        self.transformer, self.vae, self.text_encoder, self.scheduler = transformer, vae, text_encoder, scheduler
+        self.expand_timesteps = bool(expand_timesteps)
+        self.sizes = tuple(str(s) for s in sizes)
+        self.max_frames = int(max_frames)
+        self.fps = float(fps)
+        self.num_inference_steps = int(num_inference_steps)
+        self.guidance_scale = float(guidance_scale)
+        self.max_input_chars = int(max_input_chars)
+        self.max_steps = int(max_steps)
+        vcfg = vae.config
+        self.spatial, self.temporal = int(vcfg.scale_factor_spatial), int(vcfg.scale_factor_temporal)
+        if transformer.config.in_channels != vcfg.z_dim:
+            raise ValueError(f"wan: the transformer takes {transformer.config.in_channels} latent channels, the VAE "
+                             f"makes {vcfg.z_dim}")
+        if text_encoder.dim != transformer.config.text_dim:
+            raise ValueError(f"wan: the transformer takes text states of width {transformer.config.text_dim}, the "
+                             f"text encoder makes {text_encoder.dim}")
+        step = self.spatial * int(transformer.config.patch_size[1])
+        for s in self.sizes:
+            w, h = (int(v) for v in s.split("x"))
+            if w % step or h % step:
+                raise ValueError(f"wan: size {s} is not a multiple of {step} (VAE x patch)")
+        mb = max(1, int(max_batch or 8))
+        super().__init__(
+            stages=[I.OneShotStage(self.encode, batch_key=self.check, max_batch=min(mb, 16)),
+                    I.FixedStepLoopStage(self.start, self.step, self.finish, self.num_steps,
+                                         batch_key=self.denoise_key, max_batch=min(mb, 8)),
+                    I.OneShotStage(self.decode, batch_key=self.decode_key, max_batch=min(mb, 4))],
+            accepts={"sizes": list(self.sizes), "max_frames": self.max_frames, "fps": self.fps,
+                     "max_input_chars": self.max_input_chars, "max_steps": self.max_steps,
+                     "image_input": self.expand_timesteps})
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    # -- requests ---------------------------------------------------------------------------------
+    def params(self, inputs: dict[str, Any]) -> Params:
+        """The request's parameters; ValueError("field: message") for what it cannot take."""
+        prompt = inputs.get("prompt")
+        if not isinstance(prompt, str):
+            raise _bad("prompt", "a text prompt is required")
+        neg = inputs.get("negative_prompt")
+        neg = "" if neg is None else neg
+        if not isinstance(neg, str):
+            raise _bad("negative_prompt", "must be a string")
+        for name, text in (("prompt", prompt), ("negative_prompt", neg)):
+            if len(text) > self.max_input_chars:
+                raise _bad(name, f"{len(text)} characters; at most {self.max_input_chars}")
+        w, h = _number(inputs, "width", None, int), _number(inputs, "height", None, int)
+        if w is None or h is None:
+            w, h = (int(v) for v in self.sizes[0].split("x"))
+        size = f"{w}x{h}"
+        if size not in self.sizes:
+            raise _bad("size", f"{size} is not supported by this model; use one of {', '.join(self.sizes)}")
+        n = _number(inputs, "num_frames", None, int)
+        video = n is not None
+        if n is None:
+            n = 1
+        if not 1 <= n <= self.max_frames:
+            raise _bad("num_frames", f"{n} frames; this model makes 1 to {self.max_frames}")
+        fps = _number(inputs, "fps", self.fps)
+        if not fps > 0:
+            raise _bad("fps", f"must be positive, got {fps:g}")
+        steps = _number(inputs, "num_inference_steps", self.num_inference_steps, int)
+        if not 1 <= steps <= self.max_steps:
+            raise _bad("num_inference_steps", f"must be in [1, {self.max_steps}], got {steps}")
+        g = _number(inputs, "guidance_scale", self.guidance_scale)
+        if g < 0:
+            raise _bad("guidance_scale", f"must be >= 0, got {g:g}")
+        shift = _number(inputs, "flow_shift", None)
+        if shift is not None and not shift > 0:
+            raise _bad("flow_shift", f"must be positive, got {shift:g}")
+        image = inputs.get("image")
+        if image is not None:
+            if not self.expand_timesteps:
+                raise _bad("image", "this model does not take an input image (its model_index.json has no "
+                                    "expand_timesteps: only the Wan2.2 TI2V kind conditions on the first frame)")
+            if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
+                    or image.shape[2] != 3 or min(image.shape[:2]) < 1:
+                raise _bad("image", "must be a uint8 RGB array [height, width, 3]")
+        return Params(prompt, neg, w, h, round_frames(n, self.temporal), video, fps, steps, g, shift, image)
+
+    def check(self, req: I.MediaRequest):
+        """The first stage's key: every request is encoded with the others; refuses bad inputs."""
+        self.params(req.inputs)
+        return None
+
+    def denoise_key(self, req: I.MediaRequest):
+        p = self.params(req.inputs)
+        return (p.height, p.width, p.frames, p.steps, p.cfg, p.image is not None)
+
+    def decode_key(self, req: I.MediaRequest):
+        p = self.params(req.inputs)
+        return (p.height, p.width, p.frames)
+
+    def latent_shape(self, p: Params) -> tuple[int, int, int, int, int]:
+        return (1, int(self.transformer.config.in_channels), (p.frames - 1) // self.temporal + 1,
+                p.height // self.spatial, p.width // self.spatial)
+
+    def noise(self, p: Params, seed: int) -> torch.Tensor:
+        """diffusers' prepare_latents with generator=torch.Generator().manual_seed(seed): float32 noise
+        drawn on the CPU, then moved to the device."""
+        g = torch.Generator().manual_seed(int(seed))
+        return torch.randn(self.latent_shape(p), generator=g, dtype=torch.float32).to(self.device)
+
+    # -- stage 0: text ------------------------------------------------------------------------------
+    def encode(self, reqs: list[I.MediaRequest]) -> list[list]:
+        ps = [self.params(r.inputs) for r in reqs]
+        texts = list(dict.fromkeys([p.prompt for p in ps] + [p.negative_prompt for p in ps if p.cfg]))
+        states = self.text_encoder.encode(texts, dtype=self.transformer.dtype)
+        row = {t: i for i, t in enumerate(texts)}
+        rows = [states[i].clone() for i in range(len(texts))]  # each request holds its own rows only
+        return [[rows[row[p.prompt]], rows[row[p.negative_prompt]] if p.cfg else None] for p in ps]
+
+    # -- stage 1: denoise ---------------------------------------------------------------------------
+    def start(self, reqs: list[I.MediaRequest]) -> dict:
+        ps = [self.params(r.inputs) for r in reqs]
+        p0, dev, dt = ps[0], self.device, self.transformer.dtype
+        latents = torch.cat([self.noise(p, r.seed) for p, r in zip(ps, reqs)])
+        scheds = [self.scheduler.new_state(p.steps, flow_shift=p.flow_shift) for p in ps]  # timesteps on the CPU
+        text = [r.inputs["previous"][0] for r in reqs]
+        if p0.cfg:
+            text += [r.inputs["previous"][1] for r in reqs]
+        state = {"latents": latents, "scheds": scheds, "text": torch.stack(text).to(device=dev, dtype=dt),
+                 "guidance": [p.guidance for p in ps], "cfg": p0.cfg, "cond": None, "mask": None}
+        if p0.image is not None:
+            px = torch.stack([image_tensor(p.image, p.width, p.height) for p in ps])[:, :, None]
+            z = self.vae.encode(px.to(device=dev, dtype=self.vae.dtype)).float()
+            state["cond"] = self.vae.normalize_latents(z)
+            mask = torch.ones(1, 1, *latents.shape[2:], dtype=torch.float32, device=dev)
+            mask[:, :, 0] = 0
+            state["mask"] = mask
+        return state
+
+    def num_steps(self, state: dict) -> int:
+        return len(state["scheds"][0].timesteps)
+
+    @staticmethod
+    def _composite(state: dict) -> torch.Tensor:
+        """The latents with the conditioning first frame in place (image-to-video), else as they are."""
+        x, cond, mask = state["latents"], state["cond"], state["mask"]
+        return x if cond is None else (1 - mask) * cond + mask * x
+
+    def step(self, state: dict, i: int) -> None:
+        x = state["latents"]
+        B, dt = x.shape[0], self.transformer.dtype
+        ts = [float(s.timestep) for s in state["scheds"]]
+        if state["mask"] is not None:  # per-token timesteps: 0 on the conditioning frame
+            pt, ph, pw = self.transformer.patch_size
+            base = state["mask"][0, 0][::pt, ::ph, ::pw].flatten()
+            t = torch.stack([base * v for v in ts])
+        else:
+            t = torch.tensor(ts, dtype=torch.float32, device=x.device)
+        inp = self._composite(state).to(dt)
+        if state["cfg"]:
+            inp, t = torch.cat([inp, inp]), torch.cat([t, t])
+        out = self.transformer(inp, t, state["text"])
+        new = []
+        for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):
+            pred = out[k:k + 1]
+            if state["cfg"]:
+                uncond = out[B + k:B + k + 1]
+                pred = uncond + g * (pred - uncond)
+            new.append(self.scheduler.step(sched, pred, x[k:k + 1]))
+        state["latents"] = torch.cat(new)
+
+    def finish(self, state: dict) -> list[list]:
+        return [[z] for z in self._composite(state).split(1)]
+
+    # -- stage 2: decode ----------------------------------------------------------------------------
+    def decode(self, reqs: list[I.MediaRequest]) -> list[list]:
+        ps = [self.params(r.inputs) for r in reqs]
+        z = torch.cat([r.inputs["previous"][0] for r in reqs]).to(self.vae.dtype)
+        video = self.vae.decode(self.vae.denormalize_latents(z))  # [B, 3, F, H, W] in [-1, 1]
+        px = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+        frames = (px * 255).round().astype(np.uint8)  # [B, F, H, W, 3]
+        out = []
+        for p, f in zip(ps, frames):
+            out.append([I.VideoFrames(np.ascontiguousarray(f), p.fps)] if p.video else [I.Image(f[0].copy())])
+        return out
+
+
+__all__ = ["MAX_INPUT_CHARS", "Params", "round_frames", "image_tensor", "WanPipeline"]

@@ -1,0 +1,74 @@
+"""mstar bench video / images on CPU with the tiny Wan preset: dit_flops against torch's FLOP
+counter on the transformer's forward, the closed loop's records (every request counted, the stage
+split, the transformer rows per step), diffusers' baseline record, the images variant and --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mstar.bench import video as B
+from mstar.models.wan.transformer import WanTransformer
+from mstar.models.wan.transformer_config import TINY_WAN_TRANSFORMER, WanTransformerConfig
+
+
+@pytest.mark.parametrize("frames,height,width,text_len", [(5, 64, 96, 7), (1, 32, 32, 3), (9, 64, 64, 512)])
+def test_dit_flops_counts_every_matrix_product(frames, height, width, text_len):
+    """The formula against torch's count of the forward's matmuls (one timestep per row)."""
+    cfg = WanTransformerConfig.from_dict(TINY_WAN_TRANSFORMER)
+    torch.manual_seed(frames)
+    model = WanTransformer(cfg).eval()
+    f = (frames - 1) // 4 + 1
+    x = torch.randn(1, cfg.in_channels, f, height // 16, width // 16)
+    text = torch.randn(1, text_len, cfg.text_dim)
+    with FlopCounterMode(display=False) as fc:
+        model(x, torch.tensor([500.0]), text)
+    assert fc.get_total_flops() == B.dit_flops(cfg, frames, height, width, text_len)
+
+
+def _run(tmp_path, *argv, main=B.main) -> list[dict]:
+    out = tmp_path / "video.jsonl"
+    assert main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_video_points_and_diffusers_baseline(tmp_path):
+    recs = _run(tmp_path, "--model", "tiny-wan", "--size", "32x32", "--frames", "5", "--steps", "3",
+                "--concurrency", "1", "2", "--waves", "2", "--min-requests", "1", "--baseline", "diffusers",
+                "--baseline-requests", "1")
+    (base,) = [r for r in recs if r["engine"] == "diffusers"]
+    ours = [r for r in recs if r["engine"] == "mstar"]
+    assert [(r["concurrency"], r["requests"]) for r in ours] == [(1, 2), (2, 4)]
+    assert base["requests"] == 1 and base["step_rows"] == 2
+    # guidance doubles the rows; c2 batches two requests into one transformer call
+    assert [r["step_rows"] for r in ours] == [2, 4]
+    for r in ours + [base]:
+        assert r["bench"] == "video" and r["frames"] == 5 and r["steps"] == 3 and r["commit"] and r["date"]
+        assert 0 < r["latency_p50_s"] <= r["latency_p90_s"]
+        stages = r["encode_p50_s"] + r["denoise_p50_s"] + r["decode_p50_s"]
+        assert all(r[f"{k}_p50_s"] > 0 for k in ("encode", "denoise", "decode"))
+        assert stages <= r["latency_p90_s"] * 1.05 + 0.01, r
+        assert r["step_ms_p50"] > 0 and r["dit_tflops"] > 0 and r["req_s"] > 0
+
+
+def test_images_and_refusals(tmp_path):
+    from mstar.bench import images
+    (rec,) = _run(tmp_path, "--model", "tiny-wan", "--size", "64x64", "--steps", "2", "--concurrency", "1",
+                  "--min-requests", "1", "--waves", "1", main=images.main)
+    assert rec["bench"] == "images" and rec["frames"] == 1 and rec["requests"] == 1
+    assert B.main(["--model", "tiny-wan", "--size", "30x30", "--device", "cpu", "--out", ""]) == 2
+    with pytest.raises(SystemExit, match="not a Wan model"):
+        B.main(["--model", "tiny-kokoro", "--device", "cpu", "--out", ""])
+
+
+def test_help_names_every_flag():
+    out = subprocess.run([sys.executable, "-m", "mstar.cli", "bench", "video", "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for flag in ("--size", "--frames", "--steps", "--guidance", "--flow-shift", "--concurrency", "--baseline",
+                 "--peak-tflops", "--warmup-steps"):
+        assert flag in out
