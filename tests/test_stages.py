@@ -183,6 +183,67 @@ def test_chained_stages_see_the_previous_outputs():
     assert len(traces) == 3
 
 
+def _counting_loop(max_batch: int = 4, fail_join: str | None = None) -> I.FixedStepLoopStage:
+    """A continuous loop whose rows carry (request id, value): every step adds the row's own step
+    count + 1 to its value, so a request's result tells exactly which steps it had."""
+    def start(reqs):
+        return {"rows": [[r.request_id, r.inputs["x"], 0] for r in reqs]}
+
+    def join(state, reqs):
+        if any(r.request_id == fail_join for r in reqs):
+            raise RuntimeError("join refused")
+        return {"rows": state["rows"] + start(reqs)["rows"]}
+
+    def step(state, i):
+        for row in state["rows"]:
+            row[2] += 1
+            row[1] += row[2]
+
+    def leave(state, rows):
+        out = [[state["rows"][j][1]] for j in rows]
+        return {"rows": [r for j, r in enumerate(state["rows"]) if j not in rows]}, out
+
+    return I.FixedStepLoopStage(start, step, lambda s: [[r[1]] for r in s["rows"]], lambda s: 3,
+                                max_batch=max_batch, join=join, leave=leave)
+
+
+def test_continuous_loop_joins_and_leaves_at_any_step():
+    loop = _counting_loop()
+    eng = _engine(pipeline=I.Pipeline([loop]))
+    assert loop.continuous and not I.FixedStepLoopStage(None, None, None, None).continuous
+    eng.add_request(_req("a", x=0))
+    eng.step()
+    eng.step()  # a has had 2 of its 3 steps
+    eng.add_request(_req("b", x=100))
+    eng.add_request(_req("c", x=200))
+    progress: dict = {}
+    outs, traces = _drain(eng, progress=progress)
+    # every request had exactly its own 3 steps (1 + 2 + 3 added), whenever it joined
+    assert {r: o.media[0] for r, o in outs.items()} == {"a": 6, "b": 106, "c": 206}
+    assert progress["b"] == [(0, 1, 3), (0, 2, 3), (0, 3, 3)] and progress["a"] == [(0, 3, 3)]
+    # b and c joined a's batch (one transformer call for all three), a left it alone after its step
+    assert traces[0] == [(0, "join", None, 2), (0, "step", None, 3), (0, "leave", None, 1)]
+    assert [t[1] for t in traces[1]] == ["step"] and traces[2][-1] == (0, "finish", None, 2)
+    assert eng.stats()["running"] == 0 and not eng.has_unfinished()
+
+
+def test_continuous_loop_room_aborts_and_failed_joins():
+    eng = _engine(pipeline=I.Pipeline([_counting_loop(max_batch=2, fail_join="bad")]))
+    eng.add_request(_req("a", x=0))
+    eng.add_request(_req("b", x=10))
+    eng.step()
+    eng.add_request(_req("c", x=20))  # no room: waits for the batch (its key is busy)
+    eng.step()
+    eng.abort(["b"])  # b's row leaves before the next step: room for c (bad waits for the next)
+    eng.add_request(_req("bad", x=1))
+    outs, traces = _drain(eng)
+    assert outs["b"].finish_reason == "abort" and outs["a"].media[0] == 6 and outs["c"].media[0] == 26
+    assert traces[0] == [(0, "leave", None, 1), (0, "join", None, 1), (0, "step", None, 2), (0, "leave", None, 1)]
+    assert traces[1][0] == (0, "join", None, 1)
+    assert outs["bad"].finish_reason == "error" and "join refused" in outs["bad"].error
+    assert eng.stats()["num_failed"] == 1 and not eng.has_unfinished()
+
+
 def test_a_failing_batch_fails_only_its_requests():
     eng = _engine(T.IMAGE)
     eng.add_request(_req("bad", prompt="raise: please", width=32, height=32))
@@ -448,10 +509,10 @@ def test_videos_sync_and_async_jobs(servers):
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "video/mp4" and r.headers["x-num-frames"] == "3"
     frames = _mp4_frames(r.content)
-    # the encoder is deterministic: the reference frames, encoded here, decode to the same pixels
-    assert np.array_equal(frames, _mp4_frames(mp4_bytes(ref, T.FPS)))
-    assert not np.array_equal(frames, _mp4_frames(mp4_bytes(other, T.FPS)))
-    assert _near(frames, ref) < 12
+    # the encoder is deterministic (the same frames, the same bytes); the server's frames may differ
+    # from the reference's in the last bit where its batch differed, so the check is closeness
+    assert mp4_bytes(ref, T.FPS) == mp4_bytes(ref.copy(), T.FPS)
+    assert _near(frames, ref) < 12 and _near(frames, ref) + 2 < _near(frames, other)
 
     r = s.post("/v1/videos", body)
     assert r.status_code == 200, r.text
@@ -465,7 +526,7 @@ def test_videos_sync_and_async_jobs(servers):
     assert rec["progress"] == 100 and rec["completed_at"] >= rec["created_at"] and rec["error"] is None
     r = s.get(f"/v1/videos/{job['id']}/content")
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
-    assert np.array_equal(_mp4_frames(r.content), frames)  # the same request, the same video
+    assert _near(_mp4_frames(r.content), frames) < 3  # the same request, the same video
     assert job["id"] in [v["id"] for v in s.get("/v1/videos").json()["data"]]
     r = httpx.delete(s.url + f"/v1/videos/{job['id']}", timeout=30)
     assert r.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}

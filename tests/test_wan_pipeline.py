@@ -279,6 +279,47 @@ def test_a_batch_equals_each_alone(ref):
     _check_pixels(together["b"][0].frames, want)
 
 
+def test_a_request_joins_a_running_batch(ref):
+    """Continuous batching: b arrives after a's second step and joins a's denoise batch (one
+    transformer call for both from then on); a leaves after its own last step, b runs its own
+    steps; each is diffusers' output for its request. Image-to-video rows join the same way."""
+    t2v, i2v, d, d_i2v, pipe = ref
+    a = (_t2v_inputs(prompt="a boat", neg=""), 3)
+    b = (_t2v_inputs(prompt="a mountain lake at sunrise", guidance_scale=3.5), 4)
+    eng = _engine(d, pipe)
+    eng.add_request(EngineRequest("a", [], SamplingParams(), media=I.MediaRequest("a", *a)))
+    eng.step()
+    eng.step()
+    eng.add_request(EngineRequest("b", [], SamplingParams(), media=I.MediaRequest("b", *b)))
+    outs, seen = {}, []
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        seen += [(what, n) for k, what, _, n in eng.last_step if k == 1]
+    assert ("join", 1) in seen and ("leave", 1) in seen and ("start", 1) not in seen
+    assert seen.count(("step", 2)) == STEPS - 2  # a's last steps with b's first ones, in one call
+    for rid, (inputs, seed) in (("a", a), ("b", b)):
+        assert outs[rid].finish_reason == "stop", outs[rid].error
+        _check_pixels(outs[rid].media[0].frames, _diffusers(t2v, inputs, seed, "np")[0])
+    # image-to-video: the conditioning latents follow their rows through join and leave
+    ipipe = registry.family_of(d_i2v).pipeline(d_i2v, dtype=torch.float32, device="cpu", seed=0, max_batch=8)
+    img = np.random.default_rng(5).integers(0, 256, size=(H, W, 3), dtype=np.uint8)
+    reqs = {"p": (_t2v_inputs(prompt="a cat", image=img), 1), "q": (_t2v_inputs(prompt="a dog", image=img[::-1]), 2)}
+    state = ipipe.start([I.MediaRequest("p", {**reqs["p"][0], "previous": ipipe.encode(
+        [I.MediaRequest("p", *reqs["p"])])[0]}, 1)])
+    ipipe.step(state, 0)
+    state = ipipe.join(state, [I.MediaRequest("q", {**reqs["q"][0], "previous": ipipe.encode(
+        [I.MediaRequest("q", *reqs["q"])])[0]}, 2)])
+    for i in range(1, STEPS):
+        ipipe.step(state, i)
+    state, ((zp,),) = ipipe.leave(state, [0])
+    ipipe.step(state, STEPS)
+    ((zq,),) = ipipe.finish(state)
+    for z, rid in ((zp, "p"), (zq, "q")):
+        _check_latents(z, _latents_by_hand(ipipe, *reqs[rid]))
+
+
 # -- the embedded preset, refusals ---------------------------------------------------------------------
 def test_tiny_preset_end_to_end():
     engine = StageEngine(EngineConfig(model="tiny-wan", device="cpu", dtype="float32"))

@@ -90,8 +90,18 @@ class OneShotStage:
 class FixedStepLoopStage:
     """A fixed-step loop (denoising): `start(requests) -> state` for a batch of same-key requests,
     `step(state, i)` for i in range(num_steps(state)), `finish(state) -> one list of outputs per
-    request`. Requests join a batch only at its start; classifier-free guidance is the family's
-    business (extra batch rows inside its state)."""
+    request`. Classifier-free guidance is the family's business (extra batch rows inside its state).
+
+    Without `join` / `leave`, requests join a batch only at its start. With both (a stage whose
+    state keeps each request's own progress, such as a scheduler state per request), the batch is
+    continuous at step granularity: same-key requests that arrive while it runs join it before a
+    step, each request runs its own num_steps steps, and one that is done (or aborted) leaves it.
+    The rows of the state are the batch's requests in order: the started ones, then each join's.
+        join(state, requests) -> state          the requests appended as the last rows (their
+                                                first step is the batch's next one)
+        leave(state, rows) -> (state, outputs)  those rows (indices, ascending) taken out; one
+                                                list of outputs per row, in order
+    `step`'s i is then the batch's step count, not any one request's."""
     start: Callable[[list[MediaRequest]], Any]
     step: Callable[[Any, int], Any]
     finish: Callable[[Any], list[list[MediaOutput]]]
@@ -99,6 +109,12 @@ class FixedStepLoopStage:
     batch_key: Callable[[MediaRequest], Any] = lambda r: None
     max_batch: int = 8
     kind: str = "fixed_step_loop"
+    join: Callable[[Any, list[MediaRequest]], Any] | None = None
+    leave: Callable[[Any, list[int]], tuple[Any, list[list[MediaOutput]]]] | None = None
+
+    @property
+    def continuous(self) -> bool:
+        return self.join is not None and self.leave is not None
 
 
 @dataclass

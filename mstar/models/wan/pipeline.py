@@ -37,7 +37,9 @@ A request's inputs (MediaRequest.inputs, what the image / video routes pass):
 
 Batching: the denoise loop batches requests of one (height, width, frames, steps, guidance > 1,
 image or not); their prompts, seeds, guidance scales and flow shifts may differ (a scheduler state
-and a guidance scale per request). Decode batches one (height, width, frames). A request the
+and a guidance scale per request). The loop is continuous (join / leave): a request of a running
+batch's key joins it before its next step, whatever step the others are at, and leaves it after
+its own last step. Decode batches one (height, width, frames). A request the
 pipeline cannot take fails in the first stage's batch_key, alone, with "field: message".
 """
 
@@ -151,7 +153,8 @@ class WanPipeline(I.Pipeline):
         super().__init__(
             stages=[I.OneShotStage(self.encode, batch_key=self.check, max_batch=min(mb, 16)),
                     I.FixedStepLoopStage(self.start, self.step, self.finish, self.num_steps,
-                                         batch_key=self.denoise_key, max_batch=min(mb, 8)),
+                                         batch_key=self.denoise_key, max_batch=min(mb, 8), join=self.join,
+                                         leave=self.leave),
                     I.OneShotStage(self.decode, batch_key=self.decode_key, max_batch=min(mb, 4))],
             accepts={"sizes": list(self.sizes), "max_frames": self.max_frames, "fps": self.fps,
                      "max_input_chars": self.max_input_chars, "max_steps": self.max_steps,
@@ -242,6 +245,8 @@ class WanPipeline(I.Pipeline):
 
     # -- stage 1: denoise ---------------------------------------------------------------------------
     def start(self, reqs: list[I.MediaRequest]) -> dict:
+        """The loop state of a batch: per request its noise, scheduler state, text rows, guidance
+        scale and (image-to-video) conditioning latents, as rows in request order."""
         ps = [self.params(r.inputs) for r in reqs]
         p0, dev, dt = ps[0], self.device, self.transformer.dtype
         latents = torch.cat([self.noise(p, r.seed) for p, r in zip(ps, reqs)])
@@ -259,6 +264,40 @@ class WanPipeline(I.Pipeline):
             mask[:, :, 0] = 0
             state["mask"] = mask
         return state
+
+    @staticmethod
+    def _text_halves(state: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The state's text rows as (cond [B, L, d], uncond [B, L, d] or None)."""
+        text, B = state["text"], state["latents"].shape[0]
+        return (text[:B], text[B:]) if state["cfg"] else (text, None)
+
+    def join(self, state: dict, reqs: list[I.MediaRequest]) -> dict:
+        """Requests of the batch's key appended as its last rows (each with its own scheduler
+        state at step 0: the loop is continuous, every request runs its own steps)."""
+        new = self.start(reqs)
+        (c0, u0), (c1, u1) = self._text_halves(state), self._text_halves(new)
+        text = [c0, c1] + ([u0, u1] if state["cfg"] else [])
+        out = {"latents": torch.cat([state["latents"], new["latents"]]), "scheds": state["scheds"] + new["scheds"],
+               "text": torch.cat(text), "guidance": state["guidance"] + new["guidance"], "cfg": state["cfg"],
+               "cond": None, "mask": state["mask"]}
+        if state["cond"] is not None:
+            out["cond"] = torch.cat([state["cond"], new["cond"]])
+        return out
+
+    def leave(self, state: dict, rows: list[int]) -> tuple[dict, list[list]]:
+        """The rows' final latents out (as finish gives them), the others kept in the state."""
+        done = self._composite(state)
+        outputs = [[done[j:j + 1]] for j in rows]
+        gone = set(rows)
+        keep = [j for j in range(len(state["scheds"])) if j not in gone]
+        idx = torch.tensor(keep, dtype=torch.long, device=state["latents"].device)
+        cond, uncond = self._text_halves(state)
+        text = [cond.index_select(0, idx)] + ([uncond.index_select(0, idx)] if state["cfg"] else [])
+        out = {"latents": state["latents"].index_select(0, idx), "scheds": [state["scheds"][j] for j in keep],
+               "text": torch.cat(text), "guidance": [state["guidance"][j] for j in keep], "cfg": state["cfg"],
+               "cond": None if state["cond"] is None else state["cond"].index_select(0, idx),
+               "mask": state["mask"]}
+        return out, outputs
 
     def num_steps(self, state: dict) -> int:
         return len(state["scheds"][0].timesteps)

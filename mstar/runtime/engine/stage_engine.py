@@ -15,7 +15,10 @@ queue, grouped by the stage's `batch_key`. One engine step visits the stages in 
                          oldest request has waited longest
   fixed-step loop stage  every running batch advances by one step (a batch past its last step
                          finishes); then, for every key with requests waiting and no batch
-                         running, a batch of them (at most max_batch) starts, with its first step
+                         running, a batch of them (at most max_batch) starts, with its first step.
+                         A continuous stage (one with join / leave) also takes waiting requests
+                         of a running batch's key into it before its step (up to max_batch), and
+                         a request past its own last step leaves its batch alone
 
 so batches of different keys (image sizes) interleave step by step, and an abort takes effect
 between two steps. A request whose stage finished joins the next stage's queue with the outputs
@@ -25,8 +28,9 @@ step of a loop stage every live request of the batch gets CoreOutput(progress=(s
 done, steps)) (the API shows it as a job's progress).
 
 An aborted request leaves at once: from its queue, or from its running loop batch (a batch whose
-requests are all aborted is dropped, with its state; one that still has others runs on, and the
-aborted rows' outputs are discarded). Its CoreOutput(finish_reason="abort") comes with the next
+requests are all aborted is dropped, with its state; in one that still has others a continuous
+stage takes the aborted rows out before its next step, another runs them on and discards their
+outputs). Its CoreOutput(finish_reason="abort") comes with the next
 step. An exception inside a stage function (or outputs of the wrong shape) fails the requests of
 that batch only: CoreOutput(finish_reason="error", error=...), the traceback in the engine's log.
 
@@ -59,12 +63,14 @@ class _Req:
 
 
 class _Batch:
-    """A running batch of a fixed-step loop stage."""
-    __slots__ = ("i", "key", "n", "reqs", "stage", "state")
+    """A running batch of a fixed-step loop stage: its requests (the state's rows, in order), the
+    steps each has had (`done`), the batch's own step count `i` and the steps a request needs `n`."""
+    __slots__ = ("done", "i", "key", "n", "reqs", "stage", "state")
 
     def __init__(self, stage: int, key, reqs: list[_Req], state, n: int):
         self.stage, self.key, self.reqs, self.state, self.n = stage, key, reqs, state, n
         self.i = 0
+        self.done = [0] * len(reqs)
 
 
 def _error_text(e: BaseException) -> str:
@@ -261,9 +267,14 @@ class StageEngine:
 
     def _loop(self, k: int, stage: I.FixedStepLoopStage, outputs: list, trace: list) -> None:
         running = self._running[k]
+        waiting = self._waiting[k]
+        if stage.continuous:
+            for b in list(running):
+                self._drop_aborted(k, stage, b, outputs, trace)
+                if b in running and b.key in waiting and len(b.reqs) < stage.max_batch:
+                    self._join(k, stage, b, outputs, trace)
         for b in list(running):
             self._advance_batch(k, stage, b, outputs, trace)
-        waiting = self._waiting[k]
         if not waiting:
             return
         busy = {b.key for b in running}
@@ -283,26 +294,71 @@ class StageEngine:
             running.append(b)
             self._advance_batch(k, stage, b, outputs, trace)  # its first step comes with its start
 
+    def _drop_aborted(self, k: int, stage: I.FixedStepLoopStage, b: _Batch, outputs: list, trace: list) -> None:
+        """Aborted rows out of a continuous batch (their memory freed, room for joins)."""
+        gone = [j for j, q in enumerate(b.reqs) if self._reqs.get(q.rid) is not q]
+        if not gone or len(gone) == len(b.reqs):
+            return
+        trace.append((k, "leave", b.key, len(gone)))
+        try:
+            self._leave(stage, b, gone)
+        except Exception as e:  # noqa: BLE001
+            self._running[k].remove(b)
+            b.state = None
+            self._fail(k, b.reqs, e, outputs)
+
+    def _join(self, k: int, stage: I.FixedStepLoopStage, b: _Batch, outputs: list, trace: list) -> None:
+        """Waiting requests of a running batch's key join it (a continuous stage), up to max_batch;
+        a join that fails fails the joining requests only."""
+        batch = self._take(k, b.key, stage.max_batch - len(b.reqs))
+        trace.append((k, "join", b.key, len(batch)))
+        t0 = time.perf_counter()
+        try:
+            b.state = stage.join(b.state, [r.media for r in batch])
+        except Exception as e:  # noqa: BLE001
+            self._fail(k, batch, e, outputs)
+            return
+        finally:
+            self._account(k, len(batch), t0)
+        b.reqs.extend(batch)
+        b.done.extend([0] * len(batch))
+
+    def _leave(self, stage: I.FixedStepLoopStage, b: _Batch, rows: list[int]) -> tuple[list[_Req], list]:
+        """Rows out of a running continuous batch: (their requests, their outputs)."""
+        b.state, results = stage.leave(b.state, rows)
+        self._check_results(results, len(rows))
+        out = set(rows)
+        reqs = [b.reqs[j] for j in rows]
+        b.reqs = [q for j, q in enumerate(b.reqs) if j not in out]
+        b.done = [d for j, d in enumerate(b.done) if j not in out]
+        return reqs, results
+
     def _advance_batch(self, k: int, stage: I.FixedStepLoopStage, b: _Batch, outputs: list, trace: list) -> None:
-        """One step of a running batch; past its last step it finishes (its requests move on)."""
+        """One step of a running batch. A request past its last step moves on: in a continuous
+        batch it leaves; otherwise, and when all are done, the batch finishes."""
         running = self._running[k]
         t0 = time.perf_counter()
         try:
-            if b.i < b.n:
+            if min(b.done) < b.n:
                 trace.append((k, "step", b.key, len(b.reqs)))
                 r = stage.step(b.state, b.i)
                 if r is not None:  # a step may return the new state (or update it in place)
                     b.state = r
                 b.i += 1
-                outputs.extend(CoreOutput(q.rid, [], None, progress=(k, b.i, b.n)) for q in b.reqs
+                b.done = [d + 1 for d in b.done]
+                outputs.extend(CoreOutput(q.rid, [], None, progress=(k, d, b.n)) for q, d in zip(b.reqs, b.done)
                                if self._reqs.get(q.rid) is q)
-            if b.i >= b.n:
+            finished = [j for j, d in enumerate(b.done) if d >= b.n]
+            if len(finished) == len(b.reqs):
                 running.remove(b)
                 trace.append((k, "finish", b.key, len(b.reqs)))
                 state, b.state = b.state, None
                 results = stage.finish(state)
                 self._check_results(results, len(b.reqs))
                 self._advance(k, b.reqs, results, outputs)
+            elif finished and stage.continuous:
+                trace.append((k, "leave", b.key, len(finished)))
+                self._advance(k, *self._leave(stage, b, finished), outputs)
         except Exception as e:  # noqa: BLE001
             if b in running:
                 running.remove(b)
