@@ -1,5 +1,6 @@
 """Op benchmark cases at the served models' shapes: Qwen3.5-0.8B and 4B, decode batch 1 / 32 / 128
-and a 2048-token prefill on CUDA; smaller token counts on CPU so `pytest mstar/bench/ops` stays quick there.
+and a 2048-token prefill on CUDA, and the Wan2.2 TI2V-5B transformer's modulation ops at a batch of
+two videos of 3510 tokens; smaller token counts on CPU so `pytest mstar/bench/ops` stays quick there.
 
 A case builds fresh random inputs for one op and says how many bytes it must move at least
 (each input read once, each output written once) and how many floating-point operations it
@@ -188,7 +189,42 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     bytes=(2 * t * s.q_heads + 2 * t * s.kv_heads) * s.head_dim * es,
                     flops=2 * s.q_heads * s.head_dim * t * (t + 1)))
     cases += _sample_cases(sz["decode"], SHAPES[0].vocab, dev)
+    cases += _wan_cases(dtype, dev)
     return cases
+
+
+# Wan2.2 TI2V-5B's transformer: width 3072; 3510 tokens per video at 832x480, 33 frames (9 x 15 x 26
+# post-patch), a batch of two (classifier-free guidance), two timesteps (the conditioning frame at 0).
+WAN_DIM = 3072
+WAN_TOKENS = 3510
+
+
+def _wan_cases(dtype, dev) -> list[Case]:
+    """modulated_layer_norm and gated_residual with per-token ([B, S]) and per-row ([B, 1]) indices."""
+    b, s = (2, WAN_TOKENS) if dev == "cuda" else (1, 256)
+    n, es, u = b * s * WAN_DIM, torch.empty((), dtype=dtype).element_size(), 2
+
+    def inputs(width):
+        x = torch.randn(b, s, WAN_DIM, dtype=dtype, device=dev)
+        table = 0.5 * torch.randn(u, 6, WAN_DIM, device=dev)  # float32, as the model's modulation table
+        return x, table, torch.randint(0, u, (b, width), device=dev)
+
+    def norm_args(width):
+        x, table, index = inputs(width)
+        return x, table[:, 0], table[:, 1], index, 1e-6
+
+    def residual_args(width):
+        x, table, index = inputs(width)
+        return x, torch.randn_like(x), table[:, 2], index
+
+    out = []
+    for tag, width in (("per-token", s), ("per-row", 1)):
+        lab = f"wan2.2-ti2v-5b {b}x{s} {tag}"
+        out.append(Case("modulated_layer_norm", lab, lambda w=width: norm_args(w),
+                        bytes=2 * n * es + 2 * u * WAN_DIM * 4, flops=8 * n))
+        out.append(Case("gated_residual", lab, lambda w=width: residual_args(w),
+                        bytes=3 * n * es + u * WAN_DIM * 4, flops=2 * n))
+    return out
 
 
 # Sampler mixes: (temperature, top_k, top_p, min_p). Same vocabulary for both models, so once.

@@ -19,6 +19,9 @@ The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with it
                       x += cross_attn(LN_affine(x), text)                          (model dtype)
                       x += c_gate * ffn(LN(x) * (1 + c_scale) + c_shift)          (float32 residual)
                       LNs in float32, norm1 / norm3 without affine, norm2 with (cross_attn_norm);
+                      the modulated LNs (and the output's) are ops.modulated_layer_norm, the gated
+                      residuals ops.gated_residual: each gathers the token's rows of the [U, 6, dim]
+                      table itself (one kernel on CUDA, no [B, S, dim] float32 temporaries);
                       attention: q, k RMSNorm over all heads together (width heads * head_dim), the
                       self-attention's q, k rotated by the 3-D rotary; FFN: linear, GELU tanh, linear
     output            (shift, scale) = scale_shift_table + temb (float32); proj_out(LN(x) * (1 + scale)
@@ -167,17 +170,6 @@ class WanAttention(nn.Module):
         return self.to_out(o.view(B, S, dim))
 
 
-class Modulation:
-    """Per-timestep modulation vectors (float32, [U, n, dim] for the U distinct timesteps) and the
-    index of each token's timestep ([B, S] or [B, 1]); `get(i)` -> the i-th vector per token."""
-
-    def __init__(self, table: torch.Tensor, inverse: torch.Tensor):
-        self.table, self.inverse = table, inverse
-
-    def get(self, i: int) -> torch.Tensor:
-        return self.table[:, i][self.inverse]  # [B, S | 1, dim]
-
-
 class WanBlock(nn.Module):
     def __init__(self, config: WanTransformerConfig):
         super().__init__()
@@ -190,17 +182,16 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim ** 0.5)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, proj: torch.Tensor, inverse: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], unit: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [B, S, dim]; context [B, L, dim]; proj [U, 6, dim] (time_proj per distinct timestep);
-        inverse [B, S | 1] (each token's timestep); unit: float32 (ones, zeros) for the plain LNs."""
-        mod = Modulation(self.scale_shift_table.float() + proj.float(), inverse)
-        dt = x.dtype
-        h = (ops.layer_norm(x.float(), *unit, self.eps) * (1 + mod.get(1)) + mod.get(0)).to(dt)
-        x = (x.float() + self.attn1(h, None, rope) * mod.get(2)).to(dt)
-        h = self.norm2(x).to(dt) if self.norm2 is not None else x
+        inverse [B, S | 1] (each token's timestep, its row of the modulation table)."""
+        mod = self.scale_shift_table.float() + proj.float()  # [U, 6, dim]: shift, scale, gate, c_*
+        h = ops.modulated_layer_norm(x, mod[:, 0], mod[:, 1], inverse, self.eps)
+        x = ops.gated_residual(x, self.attn1(h, None, rope), mod[:, 2], inverse)
+        h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, context)
-        h = (ops.layer_norm(x.float(), *unit, self.eps) * (1 + mod.get(4)) + mod.get(3)).to(dt)
-        return (x.float() + self.ffn(h).float() * mod.get(5)).to(dt)
+        h = ops.modulated_layer_norm(x, mod[:, 3], mod[:, 4], inverse, self.eps)
+        return ops.gated_residual(x, self.ffn(h), mod[:, 5], inverse)
 
 
 class ConditionEmbedder(nn.Module):
@@ -304,13 +295,11 @@ class WanTransformer(nn.Module):
         temb, proj = self.condition_embedder.time(uniq, dt)
         context = self.condition_embedder.text_embedder(text_states.to(dt))
 
-        dim = self.config.dim
-        unit = (torch.ones(dim, device=dev), torch.zeros(dim, device=dev))
         for block in self.blocks:
-            x = block(x, context, proj, inverse, rope, unit)
+            x = block(x, context, proj, inverse, rope)
 
-        mod = Modulation(self.scale_shift_table.float() + temb[:, None].float(), inverse)
-        x = (ops.layer_norm(x.float(), *unit, self.config.eps) * (1 + mod.get(1)) + mod.get(0)).to(dt)
+        mod = self.scale_shift_table.float() + temb[:, None].float()  # [U, 2, dim]: shift, scale
+        x = ops.modulated_layer_norm(x, mod[:, 0], mod[:, 1], inverse, self.config.eps)
         return self.unpatchify(self.proj_out(x), f, h, w)
 
     def unpatchify(self, x: torch.Tensor, f: int, h: int, w: int) -> torch.Tensor:

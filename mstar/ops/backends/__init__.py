@@ -21,6 +21,7 @@ _MODULES = {
     "mstar.ops.backends.triton_conv1d": "triton",
     "mstar.ops.backends.triton_snake": "triton",
     "mstar.ops.backends.triton_adain": "triton",
+    "mstar.ops.backends.triton_modulate": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
     "mstar.ops.backends.triton_sampling": "triton",  # priority -1: MSTAR_BACKENDS=sample=triton selects it
