@@ -14,8 +14,9 @@ made); c are in flight at all times. Reported per point: req/s, latency p50 / p9
 the decoded frames), and the time of each request's stages, p50: encode (the text encoder),
 denoise (the loop: noise, every transformer step, the scheduler) and decode (the VAE); the
 transformer step's time and its achieved TFLOP/s (dit_flops below, over the measured step) as a
-fraction of --peak-tflops (the GPU's dense bf16 ceiling; H200: 989). Stage times are GPU spans
-between CUDA events (no added synchronisation), host clocks on the CPU.
+fraction of --peak-tflops (the GPU's dense bf16 ceiling; H200: 989); on CUDA the peak memory
+allocated during the point (the models' weights included). Stage times are GPU spans between
+CUDA events (no added synchronisation), host clocks on the CPU.
 
 Baseline (--baseline diffusers, before mstar's points, same process and GPU): diffusers'
 WanPipeline (expand_timesteps as the TI2V release) over its own WanTransformer3DModel and
@@ -237,11 +238,15 @@ def run_mstar(args, pipe) -> list[dict]:
     flops_row = _flops(args, pipe)
     records = []
     for c in args.concurrency:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         closed_loop(engine, clock, lambda i: request_inputs(args, i, args.warmup_steps), c, c, f"warm{c}")
         clock.take_steps()
         n = max(args.waves * c, args.min_requests)
         lat, stages, wall = closed_loop(engine, clock, lambda i: request_inputs(args, i), c, n, f"c{c}")
         rec = summarize(lat, stages, clock.take_steps(), wall, flops_row, args.peak_tflops)
+        if cuda:
+            rec["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         records.append(_record(args, "mstar", c, rec))
     engine.close()
     return records
@@ -329,6 +334,8 @@ def run_diffusers(args, pipe) -> list[dict]:
         stages.append(b)
         steps += [(2 if args.guidance > 1 else 1, step_s)]
     rec = summarize(lat, stages, steps, time.perf_counter() - t, flops_row, args.peak_tflops)
+    if cuda:
+        rec["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     rec["note"] = "one request at a time; step = the denoise span / steps (scheduler included)"
     records = [_record(args, "diffusers", 1, rec)]
     return records  # (the diffusers pipeline freed with this frame, before mstar's points)
