@@ -72,3 +72,12 @@ def test_help_names_every_flag():
     for flag in ("--size", "--frames", "--steps", "--guidance", "--flow-shift", "--concurrency", "--baseline",
                  "--peak-tflops", "--warmup-steps"):
         assert flag in out
+
+
+def test_profile_dit_groups_the_kernels(capsys):
+    from mstar.bench.tools import profile_dit
+    assert profile_dit.main(["--model", "tiny-wan", "--size", "64x64", "--frames", "5", "--repeats", "1",
+                             "--device", "cpu", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ms a forward" in out and "TFLOP/s" in out
+    assert "gemm" in out and "device time" in out

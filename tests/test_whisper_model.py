@@ -327,6 +327,26 @@ def test_dense_attention_reference_and_sdpa(causal):
     ip = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
     assert torch.allclose(dense_attention_sdpa(qe, ke, ke, ip, ip, 0.25, causal),
                           ops.dense_attention(qe, ke, ke, ip, ip, 0.25, causal), atol=1e-5)
+    # the cudnn backend's kernel order (on CPU: what remains of it) gives the same attention
+    from mstar.ops.dense_attention import dense_attention_cudnn
+    assert torch.allclose(dense_attention_cudnn(q, k, v, qi, ki, 0.3, causal), out, atol=1e-5)
+    assert torch.allclose(dense_attention_cudnn(qe, ke, ke, ip, ip, 0.25, causal),
+                          ops.dense_attention(qe, ke, ke, ip, ip, 0.25, causal), atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_dense_attention_cudnn_on_cuda():
+    """cuDNN's kernel at a Wan DiT shape (2 rows of 3,510 tokens, 24 heads x 128, bf16) and a
+    Whisper encoder's (1,500 frames, 20 x 64) against the float32 reference."""
+    from mstar import ops
+    from mstar.ops.dense_attention import dense_attention_cudnn
+    assert ops.dense_attention.selected("cuda") == "cudnn"
+    for rows, n, h, d in ((2, 3510, 24, 128), (3, 1500, 20, 64)):
+        q, k, v = (torch.randn(rows * n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ip = torch.arange(rows + 1, dtype=torch.int32) * n
+        got = dense_attention_cudnn(q, k, v, ip, ip, d ** -0.5, False).float()
+        want = ops.dense_attention.backends["reference"].fn(q, k, v, ip, ip, d ** -0.5, False).float()
+        assert (got - want).abs().max().item() < 2e-2
 
 
 def test_layer_norm_ops():
