@@ -280,14 +280,202 @@ def test_overlapped_decode_matches_synchronous(kind):
     assert_no_leaks(core)
 
 
-def test_overlapped_decode_falls_back_for_sampled_rows():
-    core = engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static", async_output=True)
-    ps = prompts(3, 3, 10, seed=13)
-    mk = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=8, temperature=0.8, seed=i))  # noqa: E731
-                  for i, p in enumerate(ps)]
+def _sampled_params(i: int, **kw) -> SamplingParams:
+    """A mix of sampled (and greedy-with-penalty) requests, one kind per i % 8, seed per i."""
+    kinds = [dict(temperature=0.9),
+             dict(temperature=1.1, top_p=0.8),
+             dict(temperature=0.8, top_k=5),
+             dict(temperature=1.0, min_p=0.2),
+             dict(temperature=0.0, repetition_penalty=1.8),
+             dict(temperature=1.2, top_k=40, top_p=0.9, presence_penalty=1.5),
+             dict(temperature=0.7, frequency_penalty=0.9, repetition_penalty=1.3),
+             dict(temperature=1.0, top_p=0.95, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.5)]
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 14 + i % 5), seed=1000 + 7 * i, ignore_eos=True,
+                          **kinds[i % len(kinds)], **kw)
+
+
+class _NoHostSync:
+    """While active, reading a tensor's values on the host raises (CPU stands in for a device)."""
+    _NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self._saved = {n: getattr(torch.Tensor, n) for n in self._NAMES}
+
+        def fail(*a, **k):
+            raise AssertionError("a host read of a tensor during the overlapped launch")
+        for n in self._NAMES:
+            setattr(torch.Tensor, n, fail)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch.Tensor, n, f)
+        return False
+
+
+def _guard_launch(core) -> list[int]:
+    """Run the overlap's device sampling of non-greedy steps under _NoHostSync; returns a counter."""
+    ov, calls = core.overlap, [0]
+    sample = ov._sample
+
+    def guarded(*a):
+        calls[0] += 1
+        with _NoHostSync():
+            return sample(*a)
+    ov._sample = guarded
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overlapped_decode_sampled_rows_match_synchronous(kind):
+    """Sampled rows (temperature, top-k, top-p, min-p, the three penalties, each its own seed)
+    take overlapped decode too: the tokens equal the synchronous engine's, steps are chained, the
+    launch reads nothing back; a stop token found late and an abort in flight as for greedy rows."""
+    ps = prompts(9, 3, 24, seed=17)
+    mk = lambda: [EngineRequest(str(i), p, _sampled_params(i)) for i, p in enumerate(ps)]  # noqa: E731
+    opts = dict(page_size=4, max_num_seqs=6, decode_graphs="static", admit_min_free=2)
+    sync = engine(kind, async_output=False, **opts)
+    want = run_all(sync, mk())
+    assert sync.overlap is None
+    core = engine(kind, async_output=True, **opts)
+    calls = _guard_launch(core)
     got = run_all(core, mk())
-    assert core.overlap.num_chained == 0 and core.overlap.inflight is None
-    assert got == run_all(engine("qwen3.5", page_size=4, max_num_seqs=4, decode_graphs="static"), mk())
+    assert got == want
+    assert core.overlap.num_chained > 0 and calls[0] > core.overlap.num_chained // 2, (core.overlap.num_chained,
+                                                                                       calls)
+    assert_no_leaks(core)
+    # a stop token drawn mid-way (found after the next step launched), and a row aborted in flight
+    stop_tok = want["5"][0][6]
+    mk2 = lambda: [EngineRequest(str(i), p, _sampled_params(i, stop_token_ids=[stop_tok] if i == 5 else []))  # noqa: E731
+                   for i, p in enumerate(ps[:6])]
+    want2 = run_all(sync, mk2())
+    assert want2["5"][1] == "stop"
+    chained = core.overlap.num_chained
+    got2 = run_all(core, mk2())
+    assert got2 == want2 and core.overlap.num_chained > chained
+    core.add_request(EngineRequest("a", ps[0], _sampled_params(1, max_tokens=40)))
+    core.add_request(EngineRequest("b", ps[1], _sampled_params(6, max_tokens=12)))
+    for _ in range(4):
+        core.step()
+    assert core.overlap.inflight is not None
+    core.abort(["a"])
+    while core.has_unfinished():
+        core.step()
+    # a penalty request after the aborted one took its row: its counts start from zero
+    again = run_all(core, [EngineRequest("c", ps[2], _sampled_params(6))])
+    assert again["c"] == run_all(sync, [EngineRequest("c", ps[2], _sampled_params(6))])["c"]
+    assert_no_leaks(core)
+
+
+def test_overlapped_decode_sampled_rows_tokens_depend_on_the_bookkeeping():
+    """The comparison above can fail: with the device steps counting each token twice for the
+    penalties, or drawing with the next step's noise, the tokens differ from the synchronous ones."""
+    ps = prompts(4, 3, 12, seed=23)
+    kinds = [dict(temperature=0.0, frequency_penalty=0.4), dict(temperature=0.8, frequency_penalty=0.4, seed=3),
+             dict(temperature=0.0, presence_penalty=0.8), dict(temperature=1.0, top_p=0.9, seed=4)]
+    mk = lambda: [EngineRequest(str(i), p, SamplingParams(max_tokens=24, ignore_eos=True, **kinds[i]))  # noqa: E731
+                  for i, p in enumerate(ps)]
+    opts = dict(page_size=4, max_num_seqs=4, decode_graphs="static")
+    want = run_all(engine("qwen3", async_output=False, **opts), mk())
+    core = engine("qwen3", async_output=True, **opts)
+    s = core.sampler
+    dev = s.sample_device
+
+    def count_twice(logits, rows, steps):
+        tokens = dev(logits, rows, steps)
+        s._count(s._gather(rows, steps), tokens)
+        return tokens
+    s.sample_device = count_twice
+    assert run_all(core, mk()) != want
+    s.sample_device = lambda logits, rows, steps: dev(logits, rows, [t + 1 for t in steps])
+    assert run_all(core, mk()) != want
+    del s.sample_device
+    assert run_all(core, mk()) == want and core.overlap.num_chained > 0
+
+
+def test_overlapped_decode_falls_back_for_logprobs_and_min_tokens():
+    """Rows asking for logprobs, or whose stop ids are masked until min_tokens, run synchronously."""
+    ps = prompts(3, 3, 10, seed=13)
+    opts = dict(page_size=4, max_num_seqs=4, decode_graphs="static")
+    for extra in (dict(logprobs=2), dict(min_tokens=8, stop_token_ids=[7])):
+        mk = lambda: [EngineRequest(str(i), p, _sampled_params(i, max_tokens=8, **extra))  # noqa: E731
+                      for i, p in enumerate(ps)]
+        core = engine("qwen3.5", async_output=True, **opts)
+        got = run_all(core, mk())
+        assert core.overlap.num_chained == 0 and core.overlap.inflight is None, extra
+        assert got == run_all(engine("qwen3.5", async_output=False, **opts), mk())
+    # one logprob row among sampled ones keeps the whole step synchronous
+    mk = lambda: [EngineRequest(str(i), p, _sampled_params(i, max_tokens=8, logprobs=1 if i == 1 else None))  # noqa: E731
+                  for i, p in enumerate(ps)]
+    core = engine("qwen3.5", async_output=True, **opts)
+    run_all(core, mk())
+    assert core.overlap.num_chained == 0
+
+
+def test_overlapped_decode_constrained_family_matches_synchronous():
+    """A family whose hooks constrain the logits (Orpheus: a mask per frame position) with its
+    default sampling (temperature, top-p, repetition penalty) over a 156940-id vocabulary: the
+    overlapped engine's tokens equal the synchronous one's, with chained steps."""
+    pytest.importorskip("snac")
+    from mstar.models import interfaces as I
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
+
+    def speech(rid, text, seed, n):
+        return EngineRequest(rid, [], None, media=I.MediaRequest(rid, {"text": text, "voice": "tara",
+                                                                        "max_new_tokens": n}, seed))
+    mk = lambda: [speech("a", "One.", 5, 30), speech("b", "Two, and more.", 6, 23),  # noqa: E731
+                  speech("c", "Three.", 7, 26)]
+    opts = dict(model="tiny-orpheus", dtype="float32", device="cpu", max_num_seqs=4, decode_graphs="static")
+    sync = EngineCore(EngineConfig(async_output=False, **opts))
+    assert sync.overlap is None and sync._constrain
+    want = run_all(sync, mk())
+    core = EngineCore(EngineConfig(async_output=True, **opts))
+    calls = _guard_launch(core)
+    got = run_all(core, mk())
+    assert got == want and [len(want[r][0]) for r in "abc"] == [30, 23, 26]
+    assert core.overlap.num_chained > 0 and calls[0] > 0
+    assert len(core.output_stage) == 0
+    assert_no_leaks(core)
+    # the head over the family's logit_ids alone (audio codes, end of speech): the same tokens as
+    # the whole head, synchronous and overlapped
+    ids = sync.hooks.logit_ids
+    assert ids is not None and len(ids) == 7 * 4096 + 1 and bool((ids[1:] > ids[:-1]).all())
+    for eng in (EngineCore(EngineConfig(async_output=False, **opts)), EngineCore(EngineConfig(async_output=True,
+                                                                                             **opts))):
+        eng._logit_ids = None
+        assert run_all(eng, mk()) == want
+
+
+def test_compute_logits_of_keeps_the_ids_columns():
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
+    core = EngineCore(EngineConfig(model="tiny-qwen3", dtype="float32", device="cpu", max_num_seqs=2))
+    m = core.model
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(3, m.config.hidden_size, generator=g)
+    ids = torch.randperm(m.config.vocab_size, generator=g)[:37].sort().values
+    full, sub = m.compute_logits(h), m.compute_logits_of(h, ids)
+    assert sub.dtype == torch.float32 and sub.shape == full.shape
+    assert torch.allclose(sub[:, ids], full[:, ids], rtol=1e-5, atol=1e-5)
+    rest = torch.ones(full.shape[1], dtype=torch.bool)
+    rest[ids] = False
+    assert bool(torch.isneginf(sub[:, rest]).all())
+    assert m.compute_logits_of(h, ids) is not sub and m._head_rows[0] is ids  # rows copied once per ids
+
+
+def test_overlap_takes_incomplete_plans_up_to_the_reference_row_limit():
+    """Rows decided on the candidate stage (top-p, top-k: a plan the host cannot call complete,
+    ties or mass may lie beyond the candidates) overlap while at most MAX_DEVICE_REFERENCE_ROWS of
+    them share a step; greedy rows do not count; a larger batch samples synchronously."""
+    from mstar.runtime.engine import sampler as S
+    sm = S.Sampler(16, 50000, "cpu")  # a vocabulary beyond the candidate stage: top-p plans are incomplete
+    topp = [sm.add(SamplingParams(temperature=0.8, top_p=0.9), i, [], []) for i in range(S.MAX_DEVICE_REFERENCE_ROWS + 1)]
+    greedy = sm.add(SamplingParams(temperature=0.0), 99, [], [])
+    topk = sm.add(SamplingParams(temperature=0.8, top_k=5), 98, [], [])
+    n = S.MAX_DEVICE_REFERENCE_ROWS
+    assert sm.on_device(topp[:n - 1] + [greedy, topk]) and sm.on_device([greedy] * 12)
+    assert not sm.on_device(topp) and not sm.on_device(topp[:n] + [topk])
 
 
 @pytest.mark.gpu

@@ -232,6 +232,20 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
+    def compute_logits_of(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden) where only the `ids` columns (int64 [K] on the model's device)
+        can matter: those columns' head rows alone are multiplied (their copy made once per ids
+        tensor), every other column is -inf. float32 [N, vocab]; tp 1 only."""
+        if self.tp_size != 1:
+            raise ValueError("compute_logits_of: the vocabulary-parallel head computes every column")
+        rows = getattr(self, "_head_rows", None)
+        if rows is None or rows[0] is not ids:
+            rows = self._head_rows = (ids, self.lm_head_weight().index_select(0, ids))
+        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32,
+                         device=hidden.device)
+        out.index_copy_(1, ids, torch.nn.functional.linear(hidden, rows[1]).float())
+        return out
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()

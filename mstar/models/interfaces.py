@@ -181,14 +181,19 @@ class EngineHooks:
     admission     an AdmissionStage (Whisper's encoder), or None
     output_stage  an OutputStage the media requests' tokens pass through (a speech codec), or None
     accepts       what the media routes may send (as Pipeline.accepts), for families with media routes
-    constrains_logits  True: constrain_logits runs on every sampling step of media requests (the
-                   overlapped decode path, which cannot run it, is not used for them)
+    constrains_logits  True: constrain_logits runs on every sampling step of media requests
+    logit_ids     None, or int64 ids (a tensor on the model's device, sorted): every token a media
+                  request can be sampled as; a step whose sampled rows are all media requests
+                  computes the head's logits of these ids alone (the others -inf: the model's
+                  compute_logits_of), as a family whose constrain_logits allows no other token
+                  gets the same tokens with a fraction of the head's reads
     """
 
     admission: AdmissionStage | None = None
     output_stage: OutputStage | None = None
     accepts: dict[str, Any] | None = None
     constrains_logits: bool = False
+    logit_ids: Any = None
 
     def media_request(self, media: MediaRequest) -> tuple[list[int], dict[str, Any]]:
         """A media request as the autoregressive stage runs it: (prompt ids, SamplingParams

@@ -82,6 +82,10 @@ class OrpheusHooks(I.EngineHooks):
         self.accepts = {"voices": list(T.VOICES), "max_input_chars": MAX_INPUT_CHARS, "speeds": [1.0],
                         "sample_rate": self.output_stage.sample_rate}
         self._bias = None  # [CODES_PER_FRAME + 1, vocab] additive mask (0 / -inf) per frame position, built on first use
+        # the tokens constrain_logits ever allows: the seven codebooks' ranges and end of speech
+        audio = torch.arange(T.AUDIO_TOKEN_BASE, T.AUDIO_TOKEN_BASE + T.CODES_PER_FRAME * T.CODEBOOK_SIZE)
+        ids = torch.cat([audio, torch.tensor([T.END_OF_SPEECH])]).unique()
+        self.logit_ids = ids[ids < self.vocab_size].to(self.device)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -143,6 +143,8 @@ class EngineCore:
         self.output_stage = self.hooks.output_stage
         self.accepts = dict(self.hooks.accepts) if self.hooks.accepts else None
         self._constrain = bool(self.hooks.constrains_logits)
+        # the family's sampleable ids of media requests: the head computes only those (tp 1)
+        self._logit_ids = self.hooks.logit_ids if self.tp is None else None
         self._num_media = 0  # live media sequences
         if self.has_cross and self.admission is None:
             raise ValueError(f"{type(model).__name__} has per-request cross slots but its family declares no "
@@ -546,7 +548,7 @@ class EngineCore:
                 masters.write(s_slots, positions=[len(s.token_ids) for s in sampling])
         result = None
         if n_sample:
-            logits = self.model.compute_logits(hidden)
+            logits = self.logits(hidden, sampling)
             if pt is not None:
                 pt.mark(4, sync=True)
             steps = [s.num_output_tokens for s in sampling]
@@ -590,6 +592,14 @@ class EngineCore:
         if pt is not None:
             pt.end(len(sched.decode), len(rows.prefill_tokens), len(sched.prefill), self.has_unfinished())
         return outputs
+
+    def logits(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """float32 logits of the sampling rows: the family's logit_ids alone when every row is a
+        media request of a family that declares them, else the whole head."""
+        ids = self._logit_ids
+        if ids is not None and self._num_media and all(s.media for s in seqs):
+            return self.model.compute_logits_of(hidden, ids)
+        return self.model.compute_logits(hidden)
 
     def _advance_decode(self, decode: list[Sequence], commit: bool) -> None:
         """The decode rows' new tokens are in the caches; commit: offer full pages to the

@@ -23,6 +23,17 @@ undecided (rare) come back with the tokens, in the one readback the step already
 redone by `sampling.redo_rows` (more candidates, then the reference). Any other selection
 (`MSTAR_BACKENDS=sample=reference`, verify mode) calls `ops.sample` itself.
 
+On the device (overlapped decode, decode_overlap.py): `sample_device` returns the tokens `sample`
+draws for the same rows, left on the device, reading nothing back; `on_device` says which rows it
+takes (no logprobs; sampled rows only when the selected path has no host sync: the Sampler's plan,
+or the reference op). It shares `sample`'s steps (one upload of rows and steps, the penalties, the
+plan, the output counts) and differs where `sample` reads the exact flags: with an incomplete plan
+the rows of a candidate stage also get the reference's token (a full sort of those rows), taken
+where the flag is false. `sample` redoes such a row on 16384 candidates before the reference; the
+two agree except within float rounding of a top-p / min-p boundary (sampling.py), and only on a
+row the first candidates left undecided. masked ids (min_tokens, a first token's suppression
+list) are `sample`'s only.
+
 In-graph decode inputs (MSTAR_INGRAPH_DECODE_TOKENS): with `masters` set (the engine sets it
 once at build, only for a model that reads its decode inputs on the device), `sample` also
 takes each row's master slot (uploaded with the rows and steps, in the same copy) and
@@ -42,11 +53,30 @@ from mstar.ops import sampling
 from mstar.runtime.engine.request import SamplingParams, TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf or NaN is reported as
+# sample_device with an incomplete plan sorts the vocabulary of every candidate-stage row as well:
+# on_device takes at most this many such rows (a larger batch samples on the synchronous path)
+MAX_DEVICE_REFERENCE_ROWS = 8
 
 # columns of the float parameter table
 _T, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(6)
 # columns of the int parameter table
 _TOP_K, _SEED = range(2)
+
+
+# the reference `sample` (exact, no host sync): sample_device's answer for rows its plan may leave open
+_REFERENCE = sampling.sample.backends["reference"]
+
+
+@dataclass
+class _Step:
+    """One step's rows: uploaded indices, gathered parameters and the penalty rows."""
+    idx: torch.Tensor  # [2 or 3, B] int64 on the device: rows, steps (, master slots)
+    row_t: torch.Tensor  # idx[0]
+    step_t: torch.Tensor  # idx[1]
+    fp: torch.Tensor  # [6, B] float parameters
+    ip: torch.Tensor  # [2, B] int parameters
+    rows_np: np.ndarray  # the rows on the host
+    pen_sel: slice | torch.Tensor | None  # the batch rows with penalties (a slice: all); None: none
 
 
 @dataclass
@@ -134,6 +164,66 @@ class Sampler:
                                              device=self.device)
 
     # --- the step ----------------------------------------------------------------------------
+    def _gather(self, rows: list[int], steps: list[int], slots: list[int] | None = None) -> _Step:
+        """Upload the step's rows and steps (and master slots) in one copy; gather their parameters."""
+        B = len(rows)
+        host = np.empty((3 if slots is not None else 2, B), dtype=np.int64)
+        host[0] = rows
+        host[1] = steps
+        if slots is not None:
+            host[2] = slots
+        idx = torch.from_numpy(host)
+        if self.device.type != "cpu":
+            idx = idx.to(self.device, non_blocking=True)
+        row_t = idx[0]
+        rows_np = host[0]
+        pen = self._uses_penalty[rows_np]
+        pen_sel = None
+        if pen.any():
+            b_idx = np.nonzero(pen)[0]
+            pen_sel = slice(None) if len(b_idx) == B else torch.from_numpy(b_idx).to(self.device, non_blocking=True)
+        return _Step(idx, row_t, idx[1], self.fparams[:, row_t], self.iparams[:, row_t], rows_np, pen_sel)
+
+    def _penalize(self, logits: torch.Tensor, st: _Step) -> torch.Tensor:
+        """The logits with the penalty rows' repetition / presence / frequency penalties (float32)."""
+        sel = st.pen_sel
+        if sel is None:
+            return logits
+        logits = logits.float()
+        pr = st.row_t[sel]
+        fp = st.fp
+        out = ops.apply_penalties(logits[sel], self.prompt_mask[pr], self.output_counts[pr],
+                                  fp[_REP][sel], fp[_PRES][sel], fp[_FREQ][sel])
+        if isinstance(sel, slice):
+            return out
+        logits[sel] = out
+        return logits
+
+    def _count(self, st: _Step, tokens: torch.Tensor) -> None:
+        """Add the step's tokens to the penalty rows' output counts (on the device)."""
+        sel = st.pen_sel
+        if sel is None:
+            return
+        pr, pt = st.row_t[sel], tokens[sel]
+        self.output_counts.index_put_((pr, pt), torch.ones(pr.shape[0], dtype=torch.int32, device=self.device),
+                                      accumulate=True)
+
+    def _sample_args(self, logits: torch.Tensor, st: _Step) -> tuple:
+        fp, ip = st.fp, st.ip
+        return (logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], st.step_t)
+
+    def _planned_backend(self) -> str | None:
+        """The selected `sample` backend when the Sampler runs it as its own plan (no host sync),
+        else None (the op itself runs)."""
+        backend = ops.sample.selected(self.device.type)
+        if backend in sampling.PLANNED_BACKENDS and not knobs.value("MSTAR_VERIFY"):
+            return backend
+        return None
+
+    def _plan(self, rows_np: np.ndarray, V: int) -> sampling.SamplePlan:
+        return sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
+                                  self._fhost[2, rows_np], V)
+
     def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
                masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None) -> SampleResult:
         """Sample one token for each row of `logits` [B, V].
@@ -146,34 +236,8 @@ class Sampler:
         B = logits.shape[0]
         V = logits.shape[1]
         scatter = self.masters is not None and slots is not None
-        host = np.empty((3 if scatter else 2, B), dtype=np.int64)
-        host[0] = rows
-        host[1] = steps
-        if scatter:
-            host[2] = slots
-        idx = torch.from_numpy(host)
-        if self.device.type != "cpu":
-            idx = idx.to(self.device, non_blocking=True)
-        row_t, step_t = idx[0], idx[1]
-        fp = self.fparams[:, row_t]  # [6, B], each row contiguous
-        ip = self.iparams[:, row_t]
-
-        rows_np = host[0]
-        pen = self._uses_penalty[rows_np]
-        if pen.any():
-            logits = logits.float()
-            b_idx = np.nonzero(pen)[0]
-            if len(b_idx) == B:
-                sel, pr = slice(None), row_t
-            else:
-                sel = torch.from_numpy(b_idx).to(self.device, non_blocking=True)
-                pr = row_t[sel]
-            out = ops.apply_penalties(logits[sel], self.prompt_mask[pr], self.output_counts[pr],
-                                      fp[_REP][sel], fp[_PRES][sel], fp[_FREQ][sel])
-            if len(b_idx) == B:
-                logits = out
-            else:
-                logits[sel] = out
+        st = self._gather(rows, steps, slots if scatter else None)
+        logits = self._penalize(logits, st)
         if masked:
             # logits is this step's own tensor (compute_logits output): written in place
             ti = [t for _, ids in masked for t in ids if t < V]
@@ -182,6 +246,7 @@ class Sampler:
                 m = torch.tensor([bi, ti], dtype=torch.int64).to(self.device, non_blocking=True)
                 logits[m[0], m[1]] = float("-inf")
 
+        rows_np = st.rows_np
         nlp = self._num_logprobs[rows_np]
         n_top = int(nlp.max()) if B else -1
         plan = None
@@ -191,11 +256,10 @@ class Sampler:
         elif greedy:  # no sort over the vocabulary for an all-greedy batch
             tokens, tok_lp, top_ids, top_lp = ops.greedy_sample(logits, max(n_top, 0))
         else:
-            args = (logits, fp[_T], ip[_TOP_K], fp[_TOP_P], fp[_MIN_P], ip[_SEED], step_t)
-            backend = ops.sample.selected(self.device.type)
-            if backend in sampling.PLANNED_BACKENDS and not knobs.value("MSTAR_VERIFY"):
-                plan = sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
-                                          self._fhost[2, rows_np], V)
+            args = self._sample_args(logits, st)
+            backend = self._planned_backend()
+            if backend is not None:
+                plan = self._plan(rows_np, V)
                 out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend],
                                               token_logprobs=n_top >= 0)
                 tokens, tok_lp, top_ids, top_lp, _ = out
@@ -210,17 +274,13 @@ class Sampler:
                 for b, t in zip(bad, sampling.redo_rows(out, bad, *args).tolist()):
                     tok_list[b] = t
             if scatter:  # after redo_rows, which rewrites the redone rows of `tokens` in place
-                self.masters.scatter_tokens(idx[2], tokens)
+                self.masters.scatter_tokens(st.idx[2], tokens)
         else:
             if scatter:  # queued before the read-back
-                self.masters.scatter_tokens(idx[2], tokens)
+                self.masters.scatter_tokens(st.idx[2], tokens)
             tok_list = tokens.tolist()
 
-        if pen.any():
-            b_idx = torch.from_numpy(np.nonzero(pen)[0]).to(self.device, non_blocking=True)
-            self.output_counts.index_put_((row_t[b_idx], tokens[b_idx]),
-                                          torch.ones(b_idx.shape[0], dtype=torch.int32, device=self.device),
-                                          accumulate=True)
+        self._count(st, tokens)
 
         lps = None
         if n_top >= 0:
@@ -234,3 +294,66 @@ class Sampler:
                 n = int(nlp[b])
                 lps.append(None if n < 0 else TokenLogprobs(lp_l[b], ids_l[b][:n], tlp_l[b][:n]))
         return SampleResult(tok_list, lps)
+
+    # --- the step on the device (overlapped decode) ------------------------------------------
+    def on_device(self, rows: list[int]) -> bool:
+        """Can `sample_device` draw these rows' tokens: no row asks for logprobs, and sampled rows
+        only when the selected path needs no host sync (the Sampler's plan, or the reference op),
+        and, when the plan is incomplete, at most MAX_DEVICE_REFERENCE_ROWS rows would take the
+        reference's full-vocabulary sort as well (beyond that the sort costs more device time than
+        the overlap hides host time: ~75 us a row of 152k ids on an H200)."""
+        r = np.asarray(rows, dtype=np.int64)
+        if (self._num_logprobs[r] >= 0).any():
+            return False
+        greedy = self._greedy[r]
+        if greedy.all():
+            return True
+        if self._planned_backend() is None:
+            return ops.sample.selected(self.device.type) == "reference"
+        plan = self._plan(r, self.vocab_size)
+        if plan.complete:
+            return True
+        return int((~greedy).sum()) - len(plan.full_rows) - len(plan.ref_rows) <= MAX_DEVICE_REFERENCE_ROWS
+
+    def all_plain_greedy(self, rows: list[int]) -> bool:
+        """Every row is plain_greedy."""
+        r = np.asarray(rows, dtype=np.int64)
+        return bool(self._greedy[r].all() and not self._uses_penalty[r].any() and (self._num_logprobs[r] < 0).all())
+
+    def sample_device(self, logits: torch.Tensor, rows: list[int], steps: list[int]) -> torch.Tensor:
+        """`sample`'s tokens for rows that `on_device` accepts, left on the device: [B] int64.
+
+        Nothing is read back. Penalties apply and the output counts take the tokens as in
+        `sample`. With the Sampler's plan, a complete plan is the whole draw; otherwise the rows a
+        candidate stage decides keep its token and the others (known only on the device) take the
+        reference's, computed for every row that went through a candidate stage: `sample`'s
+        tokens wherever the planned stages decide (its redo takes a second candidate stage before
+        the reference). Without the plan, the reference op (exact, no sync)."""
+        V = logits.shape[1]
+        st = self._gather(rows, steps)
+        logits = self._penalize(logits, st)
+        rows_np = st.rows_np
+        greedy = self._greedy[rows_np]
+        if greedy.all():
+            tokens = logits.argmax(dim=-1)
+        else:
+            args = self._sample_args(logits, st)
+            backend = self._planned_backend()
+            if backend is not None:
+                plan = self._plan(rows_np, V)
+                tokens, _, _, _, exact = sampling.sample_planned(*args, 0, plan, sampling.PLANNED_BACKENDS[backend],
+                                                                 token_logprobs=False)
+                if not plan.complete:
+                    cand = ~greedy
+                    cand[list(plan.full_rows)] = False
+                    cand[list(plan.ref_rows)] = False
+                    c = np.nonzero(cand)[0]
+                    if len(c):
+                        r = slice(None) if len(c) == len(rows_np) else torch.from_numpy(c).to(self.device,
+                                                                                             non_blocking=True)
+                        ref = _REFERENCE.fn(*(a[r] for a in args), 0)[0]
+                        tokens[r] = torch.where(exact[r], tokens[r], ref)
+            else:
+                tokens = ops.sample(*args, 0)[0]
+        self._count(st, tokens)
+        return tokens

@@ -23,9 +23,27 @@ A row that stops on a stop token at step k-1 was already queued in step k: that 
 writes land in its pages and state slot, freed by then, before any later user of them
 (one stream), and its token is dropped.
 
-Only rows without logprobs, penalties or pending min_tokens masking, all greedy, take this
-path (static token masks, Whisper's suppressed ids, are applied on the device here too); any
-other step runs synchronously after the read-back.
+Which steps take this path (eligible): every decode row without logprobs and without pending
+min_tokens masking, at tp = 1 whatever its sampling (temperature, top-k / top-p / min-p,
+repetition / presence / frequency penalties; a sampled row only while the selected sampling
+path has no host sync: Sampler.on_device) and also a media row of a family whose hooks
+constrain the logits (Orpheus's per-frame-position mask). At tp > 1 only plain-greedy rows
+outside such a family. Any other step runs synchronously after the read-back.
+
+How the launch draws the tokens, all on the device, nothing read back:
+  plain greedy  every row plain-greedy (no penalties) and none constrained: the argmax of the
+                head's output (tp > 1: the vocab-parallel argmax, or the gathered logits' with
+                static token masks), static token masks (Whisper's suppressed ids) applied;
+  otherwise     the synchronous path's sampling: float32 logits (core.logits), static
+                token masks, the family's constrain_logits, then Sampler.sample_device (the
+                penalties, the draw, the penalty rows' output counts), with each row's step
+                index its output count, placeholders included (the synchronous path's index for
+                the same token). The tokens equal the synchronous path's (sampler.py says where
+                its plan cannot decide a row).
+The output counts take a token at its launch and nothing else does (finish only writes the
+tokens back); a row that stopped while its next step was queued has that dropped token counted
+too, in a row already released: a later request with penalties given the row clears its counts
+first (queued after, on the same stream), and one without never reads them.
 """
 
 from __future__ import annotations
@@ -62,12 +80,18 @@ class DecodeOverlap:
 
     # --- which steps qualify -------------------------------------------------------------
     def eligible(self, seqs) -> bool:
+        """Can the step's decode rows be launched with their tokens left on the device?"""
         core = self.core
-        plain = core.sampler.plain_greedy
-        constrain = core._constrain  # the family's logits constraint runs on the synchronous path only
+        sampler = core.sampler
         # min_tokens not reached: the stop ids are masked before sampling (the synchronous path)
-        return all(plain(seq.sampler_row) and not (seq.num_output_tokens < seq.params.min_tokens and seq.stop_ids)
-                   and not (constrain and seq.media) for seq in seqs)
+        if any(seq.num_output_tokens < seq.params.min_tokens and seq.stop_ids for seq in seqs):
+            return False
+        if core.tp is not None:
+            # only the vocab-parallel argmax or the gathered logits' argmax: plain-greedy rows,
+            # and no family constraint
+            constrain = core._constrain
+            return all(sampler.plain_greedy(seq.sampler_row) and not (constrain and seq.media) for seq in seqs)
+        return sampler.on_device([seq.sampler_row for seq in seqs])
 
     def can_chain(self) -> bool:
         """Would the scheduler's next step be the in-flight rows, one token further?"""
@@ -102,15 +126,21 @@ class DecodeOverlap:
         if self.vocab_parallel_argmax():
             tokens = core.model.greedy_tokens(hidden)
         else:
-            if core.tp is None:
-                # greedy: argmax of the head's output in the model dtype (its float32 copy, which
-                # compute_logits returns, orders the same values the same way)
-                logits = torch.nn.functional.linear(hidden, core.model.lm_head_weight())
-            else:  # tp > 1 with masks: the vocab-parallel head's gather
-                logits = core.model.compute_logits(hidden)
-            if core.token_masks.active:  # static per-request masks (Whisper's suppressed ids): on the device
-                core.token_masks.apply(logits, [seq.sampler_row for seq in seqs])
-            tokens = logits.argmax(dim=-1)
+            rows = [seq.sampler_row for seq in seqs]
+            constrain = core._constrain and core._num_media
+            if core.tp is None and not (core.sampler.all_plain_greedy(rows)
+                                        and not (constrain and any(seq.media for seq in seqs))):
+                tokens = self._sample(seqs, rows, hidden, constrain)
+            else:
+                if core.tp is None:
+                    # greedy: argmax of the head's output in the model dtype (its float32 copy, which
+                    # compute_logits returns, orders the same values the same way)
+                    logits = torch.nn.functional.linear(hidden, core.model.lm_head_weight())
+                else:  # tp > 1 with masks: the vocab-parallel head's gather
+                    logits = core.model.compute_logits(hidden)
+                if core.token_masks.active:  # static per-request masks (Whisper's suppressed ids): on the device
+                    core.token_masks.apply(logits, rows)
+                tokens = logits.argmax(dim=-1)
         if self._masters is not None:
             # the rows' master slots are still the graph's staged row (this step's): on the device
             self._masters.scatter_tokens(core.graphs.row_slots(tokens.shape[0]), tokens)
@@ -126,6 +156,20 @@ class DecodeOverlap:
             positions.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
         self.inflight = _Inflight(list(seqs), tokens, host, event, positions)
+
+    def _sample(self, seqs, rows: list[int], hidden: torch.Tensor, constrain) -> torch.Tensor:
+        """The synchronous path's sampling of a step, left on the device: float32 logits, static
+        token masks, the family's constraint, then Sampler.sample_device (penalties, the draw,
+        the output counts). The step index of a row is its output count, placeholders included:
+        what the synchronous path passes for the same token."""
+        core = self.core
+        logits = core.logits(hidden, seqs)
+        steps = [seq.num_output_tokens for seq in seqs]
+        if core.token_masks.active:
+            core.token_masks.apply(logits, rows)
+        if constrain:
+            core.hooks.constrain_logits(logits, [seq.request_id if seq.media else None for seq in seqs], steps)
+        return core.sampler.sample_device(logits, rows, steps)
 
     def finish(self, fl: _Inflight | None = None) -> list[CoreOutput]:
         """Read back a launched step (default: the one in flight): fill the placeholders,

@@ -1,0 +1,114 @@
+"""Sampler.sample_device, the draw of overlapped decode: `sample`'s tokens and penalty counts
+without reading anything back, for every mix of parameters `on_device` accepts, including rows
+the planned stages leave undecided (redone on the host by `sample`, on the device here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar import knobs
+from mstar.ops import sampling
+from mstar.runtime.engine.request import SamplingParams
+from mstar.runtime.engine.sampler import Sampler
+
+_NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class NoHostSync:
+    """While active, reading a tensor's values on the host raises (CPU stands in for a device)."""
+
+    def __enter__(self):
+        self._saved = {n: getattr(torch.Tensor, n) for n in _NAMES}
+
+        def fail(*a, **k):
+            raise AssertionError("a host read of a tensor")
+        for n in _NAMES:
+            setattr(torch.Tensor, n, fail)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch.Tensor, n, f)
+        return False
+
+
+PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
+          SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=0.8, top_p=0.9),
+          SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.0, top_p=0.99),
+          SamplingParams(temperature=0.7, top_k=4500),
+          SamplingParams(temperature=1.2, top_k=7, top_p=0.5, min_p=0.1, repetition_penalty=1.3),
+          SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3),
+          SamplingParams(temperature=0.9, top_p=0.95, frequency_penalty=0.5)]
+
+
+def _sampler(V, plist):
+    s = Sampler(16, V, "cpu")
+    return s, [s.add(p, 100 + i, [1, 2, 3], []) for i, p in enumerate(plist)]
+
+
+def _logits(gen, B, V, flat=()):
+    lg = torch.randn(B, V, generator=gen) * 2
+    lg[:, :40] += 9  # a peaked head for most rows
+    for b in flat:  # flat: top-p 0.99 keeps far more than the candidates (undecided by them)
+        lg[b] = torch.randn(V, generator=gen)
+    return lg
+
+
+@pytest.mark.parametrize("backend", ["torch_topk", "reference"])
+def test_sample_device_equals_sample(backend):
+    V = 6000
+    host, rows = _sampler(V, PARAMS)
+    dev, rows_d = _sampler(V, PARAMS)
+    assert rows == rows_d and dev.on_device(rows)
+    gen = torch.Generator().manual_seed(7)
+    undecided = 0
+    with knobs.override(MSTAR_BACKENDS=f"sample={backend}"):
+        for step in range(5):
+            lg = _logits(gen, len(rows), V, flat=(5,))
+            steps = [step + b for b in range(len(rows))]
+            if backend == "torch_topk":
+                plan = dev._plan(dev._gather(rows, steps).rows_np, V)
+                assert not plan.complete and plan.ref_rows == (6,)
+                st = dev._gather(rows, steps)
+                out = sampling.sample_planned(*dev._sample_args(dev._penalize(lg.clone(), st), st), 0, plan)
+                undecided += int((~out[4]).sum())
+            want = host.sample(lg.clone(), rows, steps).tokens
+            with NoHostSync():
+                got = dev.sample_device(lg.clone(), rows, steps)
+            assert got.dtype == torch.int64 and got.shape == (len(rows),)
+            assert got.tolist() == want
+            assert torch.equal(dev.output_counts, host.output_counts)  # counted once, with the final tokens
+    assert backend == "reference" or undecided >= 1  # the device-side answer for undecided rows ran
+
+
+def test_sample_device_subsets_complete_plans_and_greedy():
+    """Subsets of the rows: all greedy (with and without penalties), a complete plan (temperature /
+    min-p only), a small vocabulary (the candidates are the whole row)."""
+    for V in (6000, 300):
+        host, rows = _sampler(V, PARAMS)
+        dev, _ = _sampler(V, PARAMS)
+        gen = torch.Generator().manual_seed(V)
+        for sub in ([0], [0, 8], [1, 4], [4, 1, 0], [9, 3, 2], rows[::-1]):
+            r = [rows[i] for i in sub]
+            for step in range(3):
+                lg = _logits(gen, len(r), V)
+                want = host.sample(lg.clone(), r, [step] * len(r)).tokens
+                with NoHostSync():
+                    got = dev.sample_device(lg.clone(), r, [step] * len(r))
+                assert got.tolist() == want, (V, sub, step)
+        assert torch.equal(dev.output_counts, host.output_counts)
+
+
+def test_on_device_refuses_logprobs_and_syncing_backends():
+    s = Sampler(8, 100, "cpu")
+    g = s.add(SamplingParams(temperature=0.0), 0, [], [])
+    gp = s.add(SamplingParams(temperature=0.0, repetition_penalty=1.2), 0, [1], [])
+    hot = s.add(SamplingParams(temperature=0.8, top_p=0.9), 0, [], [])
+    lp = s.add(SamplingParams(temperature=0.0, logprobs=0), 0, [], [])
+    assert s.on_device([g, gp, hot]) and not s.on_device([g, lp]) and not s.on_device([hot, lp])
+    assert s.all_plain_greedy([g]) and not s.all_plain_greedy([g, gp]) and not s.all_plain_greedy([hot])
+    with knobs.override(MSTAR_VERIFY=True):  # the op is verified against the reference: syncs
+        assert s.on_device([g, gp]) and not s.on_device([g, hot])
+    with knobs.override(MSTAR_BACKENDS="sample=reference", MSTAR_VERIFY=True):
+        assert s.on_device([g, hot])
