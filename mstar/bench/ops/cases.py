@@ -1,6 +1,7 @@
 """Op benchmark cases at the served models' shapes: Qwen3.5-0.8B and 4B, decode batch 1 / 32 / 128
-and a 2048-token prefill on CUDA, and the Wan2.2 TI2V-5B transformer's modulation ops at a batch of
-two videos of 3510 tokens; smaller token counts on CPU so `pytest mstar/bench/ops` stays quick there.
+and a 2048-token prefill on CUDA, and the Wan2.2 TI2V-5B transformer's modulation ops and q / k norm
++ rotary at a batch of two videos of 3510 tokens; smaller token counts on CPU so `pytest
+mstar/bench/ops` stays quick there.
 
 A case builds fresh random inputs for one op and says how many bytes it must move at least
 (each input read once, each output written once) and how many floating-point operations it
@@ -196,11 +197,13 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
 # Wan2.2 TI2V-5B's transformer: width 3072; 3510 tokens per video at 832x480, 33 frames (9 x 15 x 26
 # post-patch), a batch of two (classifier-free guidance), two timesteps (the conditioning frame at 0).
 WAN_DIM = 3072
+WAN_HEADS = 24
 WAN_TOKENS = 3510
 
 
 def _wan_cases(dtype, dev) -> list[Case]:
-    """modulated_layer_norm and gated_residual with per-token ([B, S]) and per-row ([B, 1]) indices."""
+    """modulated_layer_norm and gated_residual with per-token ([B, S]) and per-row ([B, 1]) indices;
+    rms_norm_rotary on the self-attention's q (or k)."""
     b, s = (2, WAN_TOKENS) if dev == "cuda" else (1, 256)
     n, es, u = b * s * WAN_DIM, torch.empty((), dtype=dtype).element_size(), 2
 
@@ -224,6 +227,15 @@ def _wan_cases(dtype, dev) -> list[Case]:
                         bytes=2 * n * es + 2 * u * WAN_DIM * 4, flops=8 * n))
         out.append(Case("gated_residual", lab, lambda w=width: residual_args(w),
                         bytes=3 * n * es + u * WAN_DIM * 4, flops=2 * n))
+    half = WAN_DIM // WAN_HEADS // 2
+
+    def rotary_args():
+        ang = torch.rand(s, half, device=dev) * 100  # float32 angles, as the model's rope tables
+        return (torch.randn(b, s, WAN_DIM, dtype=dtype, device=dev),
+                (1 + 0.1 * torch.randn(WAN_DIM, device=dev)).to(dtype), ang.cos(), ang.sin(), WAN_HEADS, 1e-6)
+
+    out.append(Case("rms_norm_rotary", f"wan2.2-ti2v-5b {b}x{s}", rotary_args,
+                    bytes=2 * n * es + WAN_DIM * es + 2 * s * half * 4, flops=7 * n))
     return out
 
 

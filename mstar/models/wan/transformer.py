@@ -23,7 +23,8 @@ The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with it
                       residuals ops.gated_residual: each gathers the token's rows of the [U, 6, dim]
                       table itself (one kernel on CUDA, no [B, S, dim] float32 temporaries);
                       attention: q, k RMSNorm over all heads together (width heads * head_dim), the
-                      self-attention's q, k rotated by the 3-D rotary; FFN: linear, GELU tanh, linear
+                      self-attention's q, k rotated by the 3-D rotary (norm and rotary in one
+                      ops.rms_norm_rotary); FFN: linear, GELU tanh, linear
     output            (shift, scale) = scale_shift_table + temb (float32); proj_out(LN(x) * (1 + scale)
                       + shift); unpatchify
 
@@ -79,7 +80,8 @@ def rope_tables(head_parts: tuple[int, int, int], max_len: int,
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), i.e. (x0 + i x1) * e^(i angle).
-    x [..., S, H, D]; cos / sin [S, 1, D // 2] float32; computed in float32, returned in x's dtype."""
+    x [..., S, H, D]; cos / sin [S, 1, D // 2] float32; computed in float32, returned in x's dtype.
+    The rotary alone; the model's self-attention runs it fused with the q / k norm (ops.rms_norm_rotary)."""
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
     return out.to(x.dtype)
@@ -156,15 +158,17 @@ class WanAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: (cos, sin) [S, head_dim // 2] float32 for self-attention (context None)."""
         B, S, dim = x.shape
         src = x if context is None else context
         L = src.shape[1]
         H, D = self.heads, self.head_dim
-        q = self.norm_q(self.to_q(x)).view(B, S, H, D)
-        k = self.norm_k(self.to_k(src)).view(B, L, H, D)
-        v = self.to_v(src).view(B, L, H, D)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is None:
+            q, k = self.norm_q(self.to_q(x)), self.norm_k(self.to_k(src))
+        else:  # self-attention (L = S): norm and rotary in one pass
+            q = ops.rms_norm_rotary(self.to_q(x), self.norm_q.weight, *rope, H, self.norm_q.eps)
+            k = ops.rms_norm_rotary(self.to_k(src), self.norm_k.weight, *rope, H, self.norm_k.eps)
+        q, k, v = q.view(B, S, H, D), k.view(B, L, H, D), self.to_v(src).view(B, L, H, D)
         o = ops.dense_attention(q.reshape(B * S, H, D), k.reshape(B * L, H, D), v.reshape(B * L, H, D),
                                 _indptr(B, S), _indptr(B, L), 1.0 / math.sqrt(D), False)
         return self.to_out(o.view(B, S, dim))
@@ -242,7 +246,7 @@ class WanTransformer(nn.Module):
         return self
 
     def rope(self, f: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [f * h * w, 1, head_dim // 2] float32 for the post-patch grid."""
+        """(cos, sin) [f * h * w, head_dim // 2] float32 for the post-patch grid."""
         tables = self._rope.get(device)
         if tables is None:
             tables = [(c.to(device), s.to(device)) for c, s in
@@ -256,7 +260,7 @@ class WanTransformer(nn.Module):
                 shape = [1, 1, 1, -1]
                 shape[axis] = n
                 parts.append(tables[axis][which][:n].view(shape).expand(f, h, w, -1))
-            out.append(torch.cat(parts, dim=-1).reshape(f * h * w, 1, -1))
+            out.append(torch.cat(parts, dim=-1).reshape(f * h * w, -1))
         return out[0], out[1]
 
     def _check(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> tuple[int, ...]:

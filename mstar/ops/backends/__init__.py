@@ -22,6 +22,7 @@ _MODULES = {
     "mstar.ops.backends.triton_snake": "triton",
     "mstar.ops.backends.triton_adain": "triton",
     "mstar.ops.backends.triton_modulate": "triton",
+    "mstar.ops.backends.triton_rms_norm_rotary": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
     "mstar.ops.backends.triton_sampling": "triton",  # priority -1: MSTAR_BACKENDS=sample=triton selects it
