@@ -164,6 +164,8 @@ def run_mstar(args, family: str) -> list[dict]:
     from mstar import LLM
     kw = dict(random_weights=args.random_weights, dtype=args.dtype, device=args.device,
               max_num_seqs=max(args.concurrency))
+    if args.no_overlap:
+        kw["async_output"] = False
     if family == "orpheus":
         kw.update(max_model_len=orpheus_tokens(args.seconds) + 512, codec=args.codec)
     llm = LLM(args.model, **kw)
@@ -383,6 +385,7 @@ def _record(args, engine: str, family: str, c: int, streams: list[Stream], wall:
     rec = {"bench": "speech", "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "model": args.model, "family": family, "engine": engine, "concurrency": c,
            "seconds_asked": args.seconds, "dtype": args.dtype, "backends": os.environ.get("MSTAR_BACKENDS", ""),
+           "overlap": not args.no_overlap,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            **summarize(streams, wall), **extra}
     print(f"{engine:>18} c={c:<3} {rec['req_s']:>8} req/s  {rec['audio_s_per_s']:>8} audio s/s  first audio "
@@ -417,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (the engine's: bfloat16 on CUDA, float32 on CPU) | bfloat16 | "
                                                  "float16 | float32; the hf baseline takes bfloat16 for auto")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="Orpheus: decode synchronously (async_output off), to measure what the overlap gives")
     p.add_argument("--out", default="notes/results/speech.jsonl", help="JSON lines appended here ('' for none)")
     return p
 
