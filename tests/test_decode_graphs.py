@@ -381,13 +381,13 @@ def test_overlapped_decode_sampled_rows_tokens_depend_on_the_bookkeeping():
     s = core.sampler
     dev = s.sample_device
 
-    def count_twice(logits, rows, steps):
-        tokens = dev(logits, rows, steps)
+    def count_twice(logits, rows, steps, max_finite=None):
+        tokens = dev(logits, rows, steps, max_finite)
         s._count(s._gather(rows, steps), tokens)
         return tokens
     s.sample_device = count_twice
     assert run_all(core, mk()) != want
-    s.sample_device = lambda logits, rows, steps: dev(logits, rows, [t + 1 for t in steps])
+    s.sample_device = lambda logits, rows, steps, max_finite=None: dev(logits, rows, [t + 1 for t in steps], max_finite)
     assert run_all(core, mk()) != want
     del s.sample_device
     assert run_all(core, mk()) == want and core.overlap.num_chained > 0

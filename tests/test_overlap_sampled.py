@@ -112,3 +112,37 @@ def test_on_device_refuses_logprobs_and_syncing_backends():
         assert s.on_device([g, gp]) and not s.on_device([g, hot])
     with knobs.override(MSTAR_BACKENDS="sample=reference", MSTAR_VERIFY=True):
         assert s.on_device([g, hot])
+
+
+@pytest.mark.parametrize("finite", [4097, 700])
+def test_max_finite_makes_the_plan_complete_with_the_reference_tokens(finite):
+    """Rows with at most `finite` finite logits (a family's constraint; the rest -inf): the plan
+    with max_finite is complete (no candidate stage short of the row's tokens, nothing redone), and
+    sample / sample_device draw exactly the reference's tokens, near-uniform logits included
+    (top-p mass far beyond the default 1,024 candidates)."""
+    V = 30000
+    assert not sampling.make_plan([0.8], [0], [0.8], [0.0], V).complete
+    plan = sampling.make_plan([0.8], [0], [0.8], [0.0], V, max_finite=finite)
+    assert plan.complete and plan.candidates >= finite
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.9, top_k=20, top_p=0.95), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, min_p=0.02, top_p=0.9)]
+    a, b = Sampler(8, V, "cpu"), Sampler(8, V, "cpu")
+    rows = [a.add(p, 40 + i, [3, 4], []) for i, p in enumerate(params)]
+    assert [b.add(p, 40 + i, [3, 4], []) for i, p in enumerate(params)] == rows
+    g = torch.Generator().manual_seed(finite)
+    ref = sampling.sample.backends["reference"].fn
+    for step in range(6):
+        logits = torch.full((len(rows), V), float("-inf"))
+        for r in range(len(rows)):
+            cols = torch.randperm(V, generator=g)[:finite - r]
+            logits[r, cols] = 0.05 * torch.randn(len(cols), generator=g)  # near-uniform: top-p needs many
+        want_logits = a._penalize(logits.clone(), a._gather(rows, [step] * len(rows)))
+        args = a._sample_args(want_logits, a._gather(rows, [step] * len(rows)))
+        want = ref(*args, 0)[0].tolist()
+        got = a.sample(logits.clone(), rows, [step] * len(rows), max_finite=finite).tokens
+        with NoHostSync():
+            dev = b.sample_device(logits.clone(), rows, [step] * len(rows), max_finite=finite)
+        assert got == want and dev.tolist() == want, (step, got, want)
+    assert b.on_device(rows * 2, max_finite=finite)  # complete: any number of rows overlaps
+    assert torch.equal(a.output_counts, b.output_counts)

@@ -182,6 +182,9 @@ class EngineHooks:
     output_stage  an OutputStage the media requests' tokens pass through (a speech codec), or None
     accepts       what the media routes may send (as Pipeline.accepts), for families with media routes
     constrains_logits  True: constrain_logits runs on every sampling step of media requests
+    max_allowed_tokens  None, or the most tokens constrain_logits leaves a media row (Orpheus:
+                  one codebook's 4096 codes and end of speech): the sampler's candidate stage of
+                  that size decides every such row (no full-vocabulary fallback, no host sync)
     logit_ids     None, or int64 ids (a tensor on the model's device, sorted): every token a media
                   request can be sampled as; a step whose sampled rows are all media requests
                   computes the head's logits of these ids alone (the others -inf: the model's
@@ -193,6 +196,7 @@ class EngineHooks:
     output_stage: OutputStage | None = None
     accepts: dict[str, Any] | None = None
     constrains_logits: bool = False
+    max_allowed_tokens: int | None = None
     logit_ids: Any = None
 
     def media_request(self, media: MediaRequest) -> tuple[list[int], dict[str, Any]]:

@@ -205,11 +205,16 @@ class SamplePlan:
     complete: bool
 
 
-def make_plan(temperature, top_k, top_p, min_p, vocab_size: int, candidates: int = _CANDIDATES) -> SamplePlan:
+def make_plan(temperature, top_k, top_p, min_p, vocab_size: int, candidates: int = _CANDIDATES,
+              max_finite: int | None = None) -> SamplePlan:
     """The plan for one batch from its parameters on the host (sequences or numpy arrays; float32
     values as the device holds them, so the host and the device classify rows alike).
-    `candidates`: the least K of the candidate stage."""
+    `candidates`: the least K of the candidate stage. `max_finite`: no row has more finite logits
+    than this (a family's constraint masks the rest to -inf): a candidate stage of K >= it holds
+    every token a row can draw, so it decides every row (the plan is complete)."""
     V = int(vocab_size)
+    if max_finite is not None and max_finite < V:
+        candidates = max(candidates, -(-int(max_finite) // 256) * 256)
     T = np.asarray(temperature, dtype=np.float32)
     k = np.asarray(top_k, dtype=np.int64)
     p = np.asarray(top_p, dtype=np.float32)
@@ -230,7 +235,7 @@ def make_plan(temperature, top_k, top_p, min_p, vocab_size: int, candidates: int
     return SamplePlan(candidates=K, full_norm=bool(topp.any()) and K < V,
                       full_rows=tuple(np.nonzero(full)[0].tolist()), full_minp=bool((full & (mp > 0)).any()),
                       ref_rows=tuple(np.nonzero(ref)[0].tolist()), any_greedy=bool(greedy.any()),
-                      complete=K == 0 or K >= V)
+                      complete=K == 0 or K >= V or (max_finite is not None and K >= max_finite))
 
 
 def _candidate_stage(lf, t, k, p, mp, seeds, steps, K: int, full_norm: bool):

@@ -86,6 +86,7 @@ class OrpheusHooks(I.EngineHooks):
         audio = torch.arange(T.AUDIO_TOKEN_BASE, T.AUDIO_TOKEN_BASE + T.CODES_PER_FRAME * T.CODEBOOK_SIZE)
         ids = torch.cat([audio, torch.tensor([T.END_OF_SPEECH])]).unique()
         self.logit_ids = ids[ids < self.vocab_size].to(self.device)
+        self.max_allowed_tokens = T.CODEBOOK_SIZE + 1  # a position's codes (+ end of speech at a frame start)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -145,6 +145,7 @@ class EngineCore:
         self._constrain = bool(self.hooks.constrains_logits)
         # the family's sampleable ids of media requests: the head computes only those (tp 1)
         self._logit_ids = self.hooks.logit_ids if self.tp is None else None
+        self._max_allowed = self.hooks.max_allowed_tokens if self._constrain else None
         self._num_media = 0  # live media sequences
         if self.has_cross and self.admission is None:
             raise ValueError(f"{type(model).__name__} has per-request cross slots but its family declares no "
@@ -561,10 +562,12 @@ class EngineCore:
                 self.token_masks.apply(logits, [s.sampler_row for s in sampling])
             if self._constrain and self._num_media:
                 self.hooks.constrain_logits(logits, [s.request_id if s.media else None for s in sampling], steps)
+            mf = self.max_finite(sampling)
             if s_slots is None:
-                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked)
+                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, max_finite=mf)
             else:
-                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, slots=s_slots)
+                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, slots=s_slots,
+                                             max_finite=mf)
             if pt is not None:
                 pt.mark(5)
         elif pt is not None:
@@ -600,6 +603,13 @@ class EngineCore:
         if ids is not None and self._num_media and all(s.media for s in seqs):
             return self.model.compute_logits_of(hidden, ids)
         return self.model.compute_logits(hidden)
+
+    def max_finite(self, seqs: list[Sequence]) -> int | None:
+        """The most finite logits a row of this step can have after the family's constraint (its
+        max_allowed_tokens, when every row is a media request), else None."""
+        if self._max_allowed is not None and self._num_media and all(s.media for s in seqs):
+            return self._max_allowed
+        return None
 
     def _advance_decode(self, decode: list[Sequence], commit: bool) -> None:
         """The decode rows' new tokens are in the caches; commit: offer full pages to the

@@ -20,7 +20,9 @@ sync): an all-greedy batch takes `greedy_sample`; otherwise, when `sample`'s sel
 is `torch_topk` (or another of `sampling.PLANNED_BACKENDS`), `sampling.make_plan` +
 `sampling.sample_planned` (no full-vocabulary sort, no host sync). The rows it flags as
 undecided (rare) come back with the tokens, in the one readback the step already has, and are
-redone by `sampling.redo_rows` (more candidates, then the reference). Any other selection
+redone by `sampling.redo_rows` (more candidates, then the reference). A step whose rows a
+family's constraint leaves at most `max_finite` finite logits (EngineHooks.max_allowed_tokens)
+plans a candidate stage of that size: complete, nothing undecided. Any other selection
 (`MSTAR_BACKENDS=sample=reference`, verify mode) calls `ops.sample` itself.
 
 On the device (overlapped decode, decode_overlap.py): `sample_device` returns the tokens `sample`
@@ -220,12 +222,13 @@ class Sampler:
             return backend
         return None
 
-    def _plan(self, rows_np: np.ndarray, V: int) -> sampling.SamplePlan:
+    def _plan(self, rows_np: np.ndarray, V: int, max_finite: int | None = None) -> sampling.SamplePlan:
         return sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
-                                  self._fhost[2, rows_np], V)
+                                  self._fhost[2, rows_np], V, max_finite=max_finite)
 
     def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
-               masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None) -> SampleResult:
+               masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None,
+               max_finite: int | None = None) -> SampleResult:
         """Sample one token for each row of `logits` [B, V].
 
         rows[b]: the sampler row of logits row b; steps[b]: the index of the output token
@@ -259,7 +262,7 @@ class Sampler:
             args = self._sample_args(logits, st)
             backend = self._planned_backend()
             if backend is not None:
-                plan = self._plan(rows_np, V)
+                plan = self._plan(rows_np, V, max_finite)
                 out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend],
                                               token_logprobs=n_top >= 0)
                 tokens, tok_lp, top_ids, top_lp, _ = out
@@ -296,7 +299,7 @@ class Sampler:
         return SampleResult(tok_list, lps)
 
     # --- the step on the device (overlapped decode) ------------------------------------------
-    def on_device(self, rows: list[int]) -> bool:
+    def on_device(self, rows: list[int], max_finite: int | None = None) -> bool:
         """Can `sample_device` draw these rows' tokens: no row asks for logprobs, and sampled rows
         only when the selected path needs no host sync (the Sampler's plan, or the reference op),
         and, when the plan is incomplete, at most MAX_DEVICE_REFERENCE_ROWS rows would take the
@@ -310,7 +313,7 @@ class Sampler:
             return True
         if self._planned_backend() is None:
             return ops.sample.selected(self.device.type) == "reference"
-        plan = self._plan(r, self.vocab_size)
+        plan = self._plan(r, self.vocab_size, max_finite)
         if plan.complete:
             return True
         return int((~greedy).sum()) - len(plan.full_rows) - len(plan.ref_rows) <= MAX_DEVICE_REFERENCE_ROWS
@@ -320,7 +323,8 @@ class Sampler:
         r = np.asarray(rows, dtype=np.int64)
         return bool(self._greedy[r].all() and not self._uses_penalty[r].any() and (self._num_logprobs[r] < 0).all())
 
-    def sample_device(self, logits: torch.Tensor, rows: list[int], steps: list[int]) -> torch.Tensor:
+    def sample_device(self, logits: torch.Tensor, rows: list[int], steps: list[int],
+                      max_finite: int | None = None) -> torch.Tensor:
         """`sample`'s tokens for rows that `on_device` accepts, left on the device: [B] int64.
 
         Nothing is read back. Penalties apply and the output counts take the tokens as in
@@ -340,7 +344,7 @@ class Sampler:
             args = self._sample_args(logits, st)
             backend = self._planned_backend()
             if backend is not None:
-                plan = self._plan(rows_np, V)
+                plan = self._plan(rows_np, V, max_finite)
                 tokens, _, _, _, exact = sampling.sample_planned(*args, 0, plan, sampling.PLANNED_BACKENDS[backend],
                                                                  token_logprobs=False)
                 if not plan.complete:

@@ -91,7 +91,7 @@ class DecodeOverlap:
             # and no family constraint
             constrain = core._constrain
             return all(sampler.plain_greedy(seq.sampler_row) and not (constrain and seq.media) for seq in seqs)
-        return sampler.on_device([seq.sampler_row for seq in seqs])
+        return sampler.on_device([seq.sampler_row for seq in seqs], core.max_finite(seqs))
 
     def can_chain(self) -> bool:
         """Would the scheduler's next step be the in-flight rows, one token further?"""
@@ -169,7 +169,7 @@ class DecodeOverlap:
             core.token_masks.apply(logits, rows)
         if constrain:
             core.hooks.constrain_logits(logits, [seq.request_id if seq.media else None for seq in seqs], steps)
-        return core.sampler.sample_device(logits, rows, steps)
+        return core.sampler.sample_device(logits, rows, steps, core.max_finite(seqs))
 
     def finish(self, fl: _Inflight | None = None) -> list[CoreOutput]:
         """Read back a launched step (default: the one in flight): fill the placeholders,
