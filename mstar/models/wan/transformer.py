@@ -109,8 +109,9 @@ class LayerNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 out."""
-        return ops.layer_norm(x.float(), self.weight, self.bias, self.eps)
+        """In x's dtype: the norm in float32 rounded once (ops.layer_norm reads x as it is, so no
+        float32 copy of x is made and none of the output)."""
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class MLP(nn.Module):
@@ -192,7 +193,7 @@ class WanBlock(nn.Module):
         mod = self.scale_shift_table.float() + proj.float()  # [U, 6, dim]: shift, scale, gate, c_*
         h = ops.modulated_layer_norm(x, mod[:, 0], mod[:, 1], inverse, self.eps)
         x = ops.gated_residual(x, self.attn1(h, None, rope), mod[:, 2], inverse)
-        h = self.norm2(x).to(x.dtype) if self.norm2 is not None else x
+        h = self.norm2(x) if self.norm2 is not None else x
         x = x + self.attn2(h, context)
         h = ops.modulated_layer_norm(x, mod[:, 3], mod[:, 4], inverse, self.eps)
         return ops.gated_residual(x, self.ffn(h), mod[:, 5], inverse)
