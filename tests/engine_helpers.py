@@ -170,3 +170,26 @@ def assert_no_leaks(core) -> None:
     assert masks is None or not masks.active, "suppression masks left on released sampler rows"
     core.cm.check()
 POOL_SEED = 21
+
+
+class NoHostSync:
+    """While active, reading a tensor's values on the host raises (CPU stands in for a device):
+    what a step that must not synchronise may not do."""
+    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, what: str = "a host read of a tensor"):
+        self.what = what
+
+    def __enter__(self):
+        self._saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def fail(*a, **k):
+            raise AssertionError(self.what)
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, fail)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch.Tensor, n, f)
+        return False

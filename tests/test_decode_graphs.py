@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
+from engine_helpers import NoHostSync, assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
 from mstar.runtime.graphs.cuda_graphs import capture_sizes
 from mstar.runtime.engine.request import EngineRequest, SamplingParams
@@ -294,33 +294,14 @@ def _sampled_params(i: int, **kw) -> SamplingParams:
                           **kinds[i % len(kinds)], **kw)
 
 
-class _NoHostSync:
-    """While active, reading a tensor's values on the host raises (CPU stands in for a device)."""
-    _NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-    def __enter__(self):
-        self._saved = {n: getattr(torch.Tensor, n) for n in self._NAMES}
-
-        def fail(*a, **k):
-            raise AssertionError("a host read of a tensor during the overlapped launch")
-        for n in self._NAMES:
-            setattr(torch.Tensor, n, fail)
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._saved.items():
-            setattr(torch.Tensor, n, f)
-        return False
-
-
 def _guard_launch(core) -> list[int]:
-    """Run the overlap's device sampling of non-greedy steps under _NoHostSync; returns a counter."""
+    """Run the overlap's device sampling of non-greedy steps under NoHostSync; returns a counter."""
     ov, calls = core.overlap, [0]
     sample = ov._sample
 
     def guarded(*a):
         calls[0] += 1
-        with _NoHostSync():
+        with NoHostSync("a host read of a tensor during the overlapped launch"):
             return sample(*a)
     ov._sample = guarded
     return calls

@@ -12,26 +12,7 @@ from mstar.ops import sampling
 from mstar.runtime.engine.request import SamplingParams
 from mstar.runtime.engine.sampler import Sampler
 
-_NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-class NoHostSync:
-    """While active, reading a tensor's values on the host raises (CPU stands in for a device)."""
-
-    def __enter__(self):
-        self._saved = {n: getattr(torch.Tensor, n) for n in _NAMES}
-
-        def fail(*a, **k):
-            raise AssertionError("a host read of a tensor")
-        for n in _NAMES:
-            setattr(torch.Tensor, n, fail)
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._saved.items():
-            setattr(torch.Tensor, n, f)
-        return False
-
+from engine_helpers import NoHostSync
 
 PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
           SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=0.8, top_p=0.9),

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
-import os
 import time
 
 import torch
 
 from mstar import LLM, SamplingParams, knobs
+from mstar.bench import append_jsonl
 from mstar.bench.serve import git_commit
 
 
@@ -39,11 +38,6 @@ def _cap(llm: LLM, c: int) -> None:
     core.scheduler.admit_min_free = c // 4 if core.graphs is not None else 0
 
 
-def _append(path: str, rec: dict) -> None:
-    # one record per point as soon as it is measured: a run killed later keeps what it measured
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 def run(args) -> list[dict]:
@@ -64,7 +58,7 @@ def run(args) -> list[dict]:
             rec = _measure(args, llm, c, t_start)
             records.append(rec)
             if args.out:
-                _append(args.out, rec)
+                append_jsonl(args.out, rec)
             if shared is None:
                 llm.close()  # tp > 1: stop the followers before the next engine
                 del llm

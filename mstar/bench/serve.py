@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.bench import append_jsonl
 from mstar.bench.http_stream import RawClient
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -597,11 +598,8 @@ def report_records(recs: list[dict], table: str, args) -> None:
         for r in recs:
             print(json.dumps(r))
     if not args.no_record:
-        os.makedirs(args.results_dir, exist_ok=True)
         path = os.path.join(args.results_dir, f"{args.bench_name}.jsonl")
-        with open(path, "a") as f:
-            for r in recs:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(path, *recs)
         print(f"appended {len(recs)} record(s) to {path}")
 
 

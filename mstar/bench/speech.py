@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -48,6 +47,8 @@ import warnings
 
 import numpy as np
 import torch
+
+from mstar.bench import append_jsonl
 
 SNAC_SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one frame (7 Orpheus tokens) of the coarsest codebook
 PHONEME_TEXT = ("ðə kwˈɪk bɹˈaʊn fˈɑks ʤˈʌmps ˈOvəɹ ðə lˈAzi dˈɔɡ, ænd ɪt kˈʌmz bˈæk əɡˈɛn. "
@@ -392,9 +393,7 @@ def _record(args, engine: str, family: str, c: int, streams: list[Stream], wall:
           f"p50 {rec['first_audio_p50_ms']} p90 {rec['first_audio_p90_ms']} ms  RTF {rec['rtf_mean']}  "
           f"realtime {rec['realtime']}  ({rec['requests']} requests, {rec['audio_s_mean']} s each)", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(args.out, rec)
     return rec
 
 

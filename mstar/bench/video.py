@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -40,6 +39,8 @@ import time
 
 import numpy as np
 import torch
+
+from mstar.bench import append_jsonl
 
 PROMPT = ("A red fox trots along a snowy riverbank at dawn, steam rising from the water, "
           "the camera tracking it slowly from the side")
@@ -355,9 +356,7 @@ def _record(args, engine: str, c: int, summary: dict) -> dict:
           f"{rec.get('step_ms_p50')} ms x{rec.get('step_rows')} rows, {rec.get('dit_tflops')} TFLOP/s"
           f"{'' if frac is None else f' ({100 * frac:.0f}% of peak)'}  [{rec['requests']} requests]", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(args.out, rec)
     return rec
 
 
