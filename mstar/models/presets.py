@@ -35,6 +35,19 @@ def get(name: str) -> Preset | None:
     return registry.preset(name)
 
 
+def random_weights_preset(preset: Preset | None, name: str, random_weights: bool, family: str,
+                          layout: str) -> Preset:
+    """`preset` (a family's lookup of `name`) when it can be built: it exists and has random
+    weights asked for, or is embedded; else the ValueError a user sees (`layout`: what the
+    family's checkpoint directory is)."""
+    if preset is None:
+        raise ValueError(f"{name!r} is neither a {family} {layout} nor a {family} preset")
+    if not (random_weights or preset.embedded):
+        raise ValueError(f"preset {preset.name!r} has random weights only: pass random_weights=True "
+                         f"(--random-weights), or a {layout}")
+    return preset
+
+
 def names() -> list[str]:
     from mstar.models import registry
     return list(registry.presets())

@@ -11,7 +11,7 @@ import os
 from mstar.models import interfaces as I
 from mstar.models.kokoro.config import MODEL_TYPE, KokoroConfig
 from mstar.models.kokoro.presets import PRESET_VOICES, PRESETS
-from mstar.models.presets import Preset
+from mstar.models.presets import Preset, random_weights_preset
 from mstar.models.registry import Family, register
 
 MAX_INPUT_CHARS = 4096
@@ -39,12 +39,8 @@ def kokoro_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: 
             voices = random_voices(PRESET_VOICES, config.style_dim, seed)
     else:
         from mstar.models.kokoro.presets import get
-        preset = get(name_or_dir)
-        if preset is None:
-            raise ValueError(f"{name_or_dir!r} is neither a Kokoro checkpoint directory nor a Kokoro preset")
-        if not (random_weights or preset.embedded):
-            raise ValueError(f"preset {preset.name!r} has random weights only: pass random_weights=True "
-                             "(--random-weights), or a checkpoint directory")
+        preset = random_weights_preset(get(name_or_dir), name_or_dir, random_weights, "Kokoro",
+                                       "checkpoint directory")
         config = KokoroConfig.from_dict(preset.config)
         model = random_model(config, seed, device, dtype)
         voices = random_voices(PRESET_VOICES, config.style_dim, seed)

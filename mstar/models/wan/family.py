@@ -27,7 +27,7 @@ import json
 import os
 
 from mstar.models import interfaces as I
-from mstar.models.presets import Preset
+from mstar.models.presets import Preset, random_weights_preset
 from mstar.models.registry import Family, register
 from mstar.models.wan.presets import MODEL_TYPE, PRESETS, PUBLISHED_SIZES, TINY_SIZES, WanConfig
 
@@ -150,12 +150,8 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
         scheduler = FlowUniPCScheduler.from_dir(os.path.join(name_or_dir, "scheduler"))
     else:
         from mstar.models.wan.presets import get
-        preset = get(name_or_dir)
-        if preset is None:
-            raise ValueError(f"{name_or_dir!r} is neither a Wan pipeline directory nor a Wan preset")
-        if not (random_weights or preset.embedded):
-            raise ValueError(f"preset {preset.name!r} has random weights only: pass random_weights=True "
-                             "(--random-weights), or a diffusers pipeline directory")
+        preset = random_weights_preset(get(name_or_dir), name_or_dir, random_weights, "Wan",
+                                       "diffusers pipeline directory")
         cfg = _make_config(preset)
         transformer = random_transformer(cfg.transformer, seed, device, dtype)
         vae = random_vae(cfg.vae, seed + 1, device, vae_dtype)
