@@ -400,8 +400,8 @@ def _boot():
     os.environ.update(env)
     procs = {}
     try:
-        for kind, name in (("speech", "toy-speech"), ("image", "toy-image")):
-            procs[kind] = _Booting(name)
+        for kind, args in (("speech", ["toy-speech"]), ("image", ["toy-image", "--max-video-jobs", "2"])):
+            procs[kind] = _Booting(*args)
     finally:
         for k, v in old.items():
             if v is None:
@@ -548,6 +548,22 @@ def test_videos_sync_and_async_jobs(servers):
     stats = s.wait_idle()
     assert stats.get("running", 0) == 0
     assert _err(s.get(f"/v1/videos/{vid}"), 404, "video_id")
+
+
+def test_video_job_limit(servers):
+    """--max-video-jobs 2: a third unfinished job is a 503 with Retry-After; a cancelled one frees
+    its place."""
+    s = servers["image"]
+    ids = [s.post("/v1/videos", {"prompt": f"slow: clip {i}", "size": "32x32", "num_frames": 2}).json()["id"]
+           for i in range(2)]
+    r = s.post("/v1/videos", {"prompt": "one too many", "size": "32x32", "num_frames": 2})
+    assert _err(r, 503)["code"] == "overloaded" and int(r.headers["retry-after"]) >= 1
+    assert httpx.delete(s.url + f"/v1/videos/{ids[0]}", timeout=30).json()["deleted"] is True
+    r = s.post("/v1/videos", {"prompt": "room now", "size": "32x32", "num_frames": 2})
+    assert r.status_code == 200, r.text
+    for vid in (ids[1], r.json()["id"]):
+        httpx.delete(s.url + f"/v1/videos/{vid}", timeout=30)
+    assert s.wait_idle().get("running", 0) == 0
 
 
 def test_video_bad_requests(servers):

@@ -91,6 +91,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # longest gap between two parts of a request body (408 past it)
     retry_after_s: int = 1
     max_audio_seconds: float = 1800.0  # /v1/audio/transcriptions: longer audio is a 400
+    max_video_jobs: int = 32  # POST /v1/videos: unfinished async jobs; one more is a 503 + Retry-After
     engine_restarts: int = 3  # engine processes started after one dies, before the server exits
     restart_backoff_s: float = 1.0  # before the first restart; doubled for each next one
     startup_timeout_s: float = 1800.0  # an engine (re)start that takes longer failed

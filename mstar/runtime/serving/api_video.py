@@ -22,7 +22,7 @@ fps, num_inference_steps (1..accepts["max_steps"], else 1..200), guidance_scale 
 flow_shift (0 < x <= 100), seed, input_reference (image-to-video: a base64 image or data URL, or
 {"image_url": "data:..."} as image_reference; a model must list accepts["image_input"]), user.
 The generation fields that are left out take the model's defaults. A field that is wrong is a 400
-in OpenAI's error schema naming it; more than MAX_JOBS unfinished jobs is a 503 with Retry-After.
+in OpenAI's error schema naming it; more than --max-video-jobs unfinished jobs is a 503 with Retry-After.
 Finished jobs are kept (with their MP4) until MAX_KEPT newer ones finished, or deleted.
 """
 
@@ -53,7 +53,6 @@ logger = logging.getLogger("mstar.server")
 VIDEO_FIELDS = frozenset({"model", "prompt", "negative_prompt", "size", "width", "height", "seconds", "num_frames",
                           "fps", "num_inference_steps", "guidance_scale", "flow_shift", "seed", "input_reference",
                           "image_reference", "user"})
-MAX_JOBS = 32  # unfinished async jobs
 MAX_KEPT = 64  # finished jobs kept with their MP4
 MAX_IMAGE_BYTES = 32 << 20
 RETRY_AFTER_S = 5
@@ -284,8 +283,9 @@ async def create(server, request: Request, body: dict):
     _need_mp4()
     inputs, seed, record = parse_video(server, body)
     store = _store(server)
-    if store.unfinished() >= MAX_JOBS:
-        raise APIError(503, f"{MAX_JOBS} video jobs are queued or running; try again later.", code="overloaded",
+    limit = server.settings.max_video_jobs
+    if store.unfinished() >= limit:
+        raise APIError(503, f"{limit} video jobs are queued or running; try again later.", code="overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     job = await start_media_job(server, request, "videos", [(inputs, seed)])
     vj = VideoJob(f"video_{uuid.uuid4().hex[:24]}", record, job=job)

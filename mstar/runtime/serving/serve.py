@@ -59,17 +59,21 @@ def _nonneg_int(s: str) -> int:
 def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics). With no arguments: the embedded tiny Qwen3.5 on "
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions and /v1/chat/completions "
+                    "(token generators), /v1/audio/transcriptions (Whisper), /v1/audio/speech (speech "
+                    "synthesizers), /v1/images/generations and /v1/videos (image and video generators), and "
+                    "/v1/models, /health, /metrics. With no arguments: the embedded tiny Qwen3.5 on "
                     "http://127.0.0.1:8000.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="The model to serve, as --model (which names it the other way).")
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
-                   help="A model directory (HF layout: config.json, *.safetensors, tokenizer files) or a preset "
-                        "name (e.g. tiny-qwen3.5, qwen3.5-0.8b); default: tiny-qwen3.5. Presets without local "
-                        "weights need --random-weights (the tiny default is built in).")
+                   help="A model directory (HF layout: config.json, *.safetensors, tokenizer files; Kokoro's "
+                        "release layout; a diffusers pipeline directory with model_index.json for Wan) or a "
+                        "preset name (e.g. tiny-qwen3.5, qwen3.5-0.8b, kokoro-82m, wan2.2-ti2v-5b); default: "
+                        "tiny-qwen3.5. Presets without local weights need --random-weights (the tiny ones are "
+                        "built in).")
     m.add_argument("--random-weights", action="store_true",
                    help="Initialise the weights randomly from the model's config instead of loading them "
                         "(benchmarks at the real shapes without a checkpoint).")
@@ -168,6 +172,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     s.add_argument("--overload-policy", default="reject", choices=["reject", "wait"],
                    help="Beyond --max-pending: reject answers 503 with a Retry-After header; wait holds the "
                         "request until there is room (or the client goes away).")
+    s.add_argument("--max-video-jobs", type=_positive_int, default=32,
+                   help="Video generators: most unfinished async jobs (POST /v1/videos, queued or running); "
+                        "one more is a 503 with a Retry-After header.")
     s.add_argument("--max-body-bytes", type=_positive_int, default=32 * 1024 * 1024,
                    help="Largest request body accepted (bytes); larger ones get 413.")
     s.add_argument("--max-audio-seconds", type=float, default=1800.0,
@@ -348,6 +355,7 @@ def _serve(args, engine, tokenizer, t0: float, key: str | None, make_engine) -> 
                               max_pending=args.max_pending, max_request_tokens=args.max_request_tokens,
                               overload_policy=args.overload_policy, max_body_bytes=args.max_body_bytes,
                               body_timeout_s=args.timeout_body, max_audio_seconds=args.max_audio_seconds,
+                              max_video_jobs=args.max_video_jobs,
                               engine_restarts=args.engine_restarts, startup_timeout_s=args.startup_timeout)
     fatal: dict[str, str] = {}
 
