@@ -102,3 +102,17 @@ class ServerProc:
             os.unlink(self.log.name)
         except OSError:
             pass
+
+
+class BootingServer(ServerProc):
+    """A ServerProc that does not wait for its server at construction (ready() does): several
+    servers, or a server and the tests before it, start side by side."""
+
+    def _wait_ready(self, timeout: float):
+        self._timeout = timeout
+        return None
+
+    def ready(self) -> "BootingServer":
+        if self.url is None:
+            self.url = ServerProc._wait_ready(self, self._timeout)
+        return self

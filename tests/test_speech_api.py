@@ -18,7 +18,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from server_harness import ServerProc
+from server_harness import BootingServer
 
 from mstar.runtime.engine.llm import LLM, Speech
 from mstar.runtime.engine.request import RequestError
@@ -33,23 +33,12 @@ PHONEMES = "həlˈO wˈɜɹld, ðɪs ɪz kəkˈɔɹO."
 ORPHEUS_TOKENS = 70  # 10 frames of 7 audio tokens: 7 windows of audio
 
 
-class _Booting(ServerProc):
-    """Started at construction, waited for by ready(): the servers boot side by side."""
-
-    def _wait_ready(self, timeout: float):
-        self._timeout = timeout
-        return None
-
-    def ready(self) -> "_Booting":
-        if self.url is None:
-            self.url = ServerProc._wait_ready(self, self._timeout)
-        return self
 
 
 @pytest.fixture(scope="module")
 def servers():
-    procs = {"kokoro": _Booting("--model", "tiny-kokoro"), "orpheus": _Booting("--model", "tiny-orpheus"),
-             "text": _Booting("--model", "tiny-qwen3.5", "--max-model-len", "256")}
+    procs = {"kokoro": BootingServer("--model", "tiny-kokoro"), "orpheus": BootingServer("--model", "tiny-orpheus"),
+             "text": BootingServer("--model", "tiny-qwen3.5", "--max-model-len", "256")}
     try:
         yield {k: p.ready() for k, p in procs.items()}
     finally:

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import toy_stages as T
-from server_harness import ServerProc
+from server_harness import BootingServer
 
 from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
@@ -377,18 +377,6 @@ def _err(r: httpx.Response, status: int = 400, param: str | None = None) -> dict
 
 
 # -- end to end ------------------------------------------------------------------------------------
-class _Booting(ServerProc):
-    """A ServerProc that does not wait for its server at construction (ready() does): the servers
-    boot while the engine tests above run."""
-
-    def _wait_ready(self, timeout: float):
-        self._timeout = timeout
-        return None
-
-    def ready(self) -> "_Booting":
-        if self.url is None:
-            self.url = ServerProc._wait_ready(self, self._timeout)
-        return self
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -401,7 +389,7 @@ def _boot():
     procs = {}
     try:
         for kind, args in (("speech", ["toy-speech"]), ("image", ["toy-image", "--max-video-jobs", "2"])):
-            procs[kind] = _Booting(*args)
+            procs[kind] = BootingServer(*args)
     finally:
         for k, v in old.items():
             if v is None:
