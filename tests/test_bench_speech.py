@@ -44,6 +44,22 @@ def test_orpheus_points_and_hf_baseline(tmp_path):
     assert hf["audio_s_mean"] == pytest.approx((12 - 3) * 2048 / 24000)
     assert ours["audio_s_mean"] >= hf["audio_s_mean"]
     assert ours["first_audio_p50_ms"] <= ours["first_audio_p90_ms"] and ours["realtime"] >= 0
+    assert ours["overlap"] is True
+
+
+def test_orpheus_no_overlap_records_it(tmp_path, monkeypatch):
+    """--no-overlap builds the engine with async_output off, and the record says so."""
+    from mstar.runtime.engine import llm as L
+    seen = {}
+    init = L.LLM.__init__
+
+    def spy(self, model, **kw):
+        seen.update(kw)
+        init(self, model, **kw)
+    monkeypatch.setattr(L.LLM, "__init__", spy)
+    (rec,) = _run(tmp_path, "--model", "tiny-orpheus", "--concurrency", "1", "--seconds", "0.3", "--waves", "1",
+                  "--min-requests", "1", "--no-overlap")
+    assert seen["async_output"] is False and rec["overlap"] is False and rec["requests"] == 1
 
 
 def test_stream_realtime_is_no_underrun():
