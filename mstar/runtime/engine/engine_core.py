@@ -549,25 +549,17 @@ class EngineCore:
                 masters.write(s_slots, positions=[len(s.token_ids) for s in sampling])
         result = None
         if n_sample:
-            logits = self.logits(hidden, sampling)
+            steps = [s.num_output_tokens for s in sampling]
+            rows_s = [s.sampler_row for s in sampling]
+            logits, mf = self.sampling_logits(hidden, sampling, rows_s, steps)
             if pt is not None:
                 pt.mark(4, sync=True)
-            steps = [s.num_output_tokens for s in sampling]
             masked = [(b, list(s.stop_ids)) for b, s in enumerate(sampling)
                       if s.num_output_tokens < s.params.min_tokens and s.stop_ids]
             if self._num_begin_suppress:
                 masked += [(b, list(s.begin_suppress_ids)) for b, s in enumerate(sampling)
                            if s.num_output_tokens == 0 and s.begin_suppress_ids]
-            if self.token_masks.active:
-                self.token_masks.apply(logits, [s.sampler_row for s in sampling])
-            if self._constrain and self._num_media:
-                self.hooks.constrain_logits(logits, [s.request_id if s.media else None for s in sampling], steps)
-            mf = self.max_finite(sampling)
-            if s_slots is None:
-                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, max_finite=mf)
-            else:
-                result = self.sampler.sample(logits, [s.sampler_row for s in sampling], steps, masked, slots=s_slots,
-                                             max_finite=mf)
+            result = self.sampler.sample(logits, rows_s, steps, masked, slots=s_slots, max_finite=mf)
             if pt is not None:
                 pt.mark(5)
         elif pt is not None:
@@ -596,20 +588,26 @@ class EngineCore:
             pt.end(len(sched.decode), len(rows.prefill_tokens), len(sched.prefill), self.has_unfinished())
         return outputs
 
-    def logits(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """float32 logits of the sampling rows: the family's logit_ids alone when every row is a
-        media request of a family that declares them, else the whole head."""
-        ids = self._logit_ids
-        if ids is not None and self._num_media and all(s.media for s in seqs):
-            return self.model.compute_logits_of(hidden, ids)
-        return self.model.compute_logits(hidden)
+    def sampling_logits(self, hidden: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                        steps: list[int]) -> tuple[torch.Tensor, int | None]:
+        """The sampling rows' float32 logits, ready for the sampler (the synchronous and the
+        overlapped step share this), and the most finite logits a row can have (None: any):
+        the head (over the family's logit_ids alone when every row is a media request of a family
+        that declares them), the static token masks, the family's constraint."""
+        media_only = self._num_media > 0 and all(s.media for s in seqs)
+        if self._logit_ids is not None and media_only:
+            logits = self.model.compute_logits_of(hidden, self._logit_ids)
+        else:
+            logits = self.model.compute_logits(hidden)
+        if self.token_masks.active:
+            self.token_masks.apply(logits, rows)
+        if self._constrain and self._num_media:
+            self.hooks.constrain_logits(logits, [s.request_id if s.media else None for s in seqs], steps)
+        return logits, (self._max_allowed if media_only else None)
 
     def max_finite(self, seqs: list[Sequence]) -> int | None:
-        """The most finite logits a row of this step can have after the family's constraint (its
-        max_allowed_tokens, when every row is a media request), else None."""
-        if self._max_allowed is not None and self._num_media and all(s.media for s in seqs):
-            return self._max_allowed
-        return None
+        """sampling_logits' bound on the finite logits of a row, for a step not yet computed."""
+        return self._max_allowed if self._num_media > 0 and all(s.media for s in seqs) else None
 
     def _advance_decode(self, decode: list[Sequence], commit: bool) -> None:
         """The decode rows' new tokens are in the caches; commit: offer full pages to the

@@ -34,7 +34,7 @@ How the launch draws the tokens, all on the device, nothing read back:
   plain greedy  every row plain-greedy (no penalties) and none constrained: the argmax of the
                 head's output (tp > 1: the vocab-parallel argmax, or the gathered logits' with
                 static token masks), static token masks (Whisper's suppressed ids) applied;
-  otherwise     the synchronous path's sampling: float32 logits (core.logits), static
+  otherwise     the synchronous path's sampling: float32 logits (core.sampling_logits), static
                 token masks, the family's constrain_logits, then Sampler.sample_device (the
                 penalties, the draw, the penalty rows' output counts), with each row's step
                 index its output count, placeholders included (the synchronous path's index for
@@ -130,7 +130,7 @@ class DecodeOverlap:
             constrain = core._constrain and core._num_media
             if core.tp is None and not (core.sampler.all_plain_greedy(rows)
                                         and not (constrain and any(seq.media for seq in seqs))):
-                tokens = self._sample(seqs, rows, hidden, constrain)
+                tokens = self._sample(seqs, rows, hidden)
             else:
                 if core.tp is None:
                     # greedy: argmax of the head's output in the model dtype (its float32 copy, which
@@ -157,19 +157,15 @@ class DecodeOverlap:
             seq.token_ids.append(PLACEHOLDER)
         self.inflight = _Inflight(list(seqs), tokens, host, event, positions)
 
-    def _sample(self, seqs, rows: list[int], hidden: torch.Tensor, constrain) -> torch.Tensor:
+    def _sample(self, seqs, rows: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """The synchronous path's sampling of a step, left on the device: float32 logits, static
         token masks, the family's constraint, then Sampler.sample_device (penalties, the draw,
         the output counts). The step index of a row is its output count, placeholders included:
         what the synchronous path passes for the same token."""
         core = self.core
-        logits = core.logits(hidden, seqs)
         steps = [seq.num_output_tokens for seq in seqs]
-        if core.token_masks.active:
-            core.token_masks.apply(logits, rows)
-        if constrain:
-            core.hooks.constrain_logits(logits, [seq.request_id if seq.media else None for seq in seqs], steps)
-        return core.sampler.sample_device(logits, rows, steps, core.max_finite(seqs))
+        logits, max_finite = core.sampling_logits(hidden, seqs, rows, steps)
+        return core.sampler.sample_device(logits, rows, steps, max_finite)
 
     def finish(self, fl: _Inflight | None = None) -> list[CoreOutput]:
         """Read back a launched step (default: the one in flight): fill the placeholders,
