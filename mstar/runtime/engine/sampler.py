@@ -106,6 +106,7 @@ class Sampler:
         self.output_counts: torch.Tensor | None = None
         # DecodeMasters (decode_masters.py) the sampled tokens are scattered into; None: off
         self.masters = None
+        self._last_plan = None  # (rows, vocab, max_finite) -> the plan made for them (_plan)
 
     # --- rows --------------------------------------------------------------------------------
     @property
@@ -127,6 +128,7 @@ class Sampler:
         built beforehand); returns the row."""
         fp, ip = values if values is not None else self.row_values(params, seed)
         row = self._free.pop()
+        self._last_plan = None  # the row's parameters change
         self.fparams[:, row] = fp.to(self.device, non_blocking=True)
         self.iparams[:, row] = ip.to(self.device, non_blocking=True)
         pen = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
@@ -223,8 +225,15 @@ class Sampler:
         return None
 
     def _plan(self, rows_np: np.ndarray, V: int, max_finite: int | None = None) -> sampling.SamplePlan:
-        return sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
+        """The step's plan; the last one is kept (overlapped decode asks on_device, then
+        sample_device, for the same rows), until a row's parameters change."""
+        key = (rows_np.tobytes(), V, max_finite)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        plan = sampling.make_plan(self._fhost[0, rows_np], self._top_k[rows_np], self._fhost[1, rows_np],
                                   self._fhost[2, rows_np], V, max_finite=max_finite)
+        self._last_plan = (key, plan)
+        return plan
 
     def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
                masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None,
