@@ -11,8 +11,8 @@ The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with it
                       text_embedder (linear, GELU tanh, linear)
                       timestep [B]: one per row; [B, S]: one per token (Wan2.2 TI2V's "expanded
                       timesteps": the conditioning first frame at t = 0). The embedding runs once per
-                      distinct timestep value and is gathered per token (the same numbers as running
-                      it per token, a few rows of GEMM instead of S)
+                      row ([B]) or per distinct timestep value ([B, S]) and is gathered per token
+                      (the same numbers as running it per token, a few rows of GEMM instead of S)
     block (x N)       (shift, scale, gate, c_shift, c_scale, c_gate) = scale_shift_table + modulation,
                       float32;
                       x += gate * self_attn(LN(x) * (1 + scale) + shift)          (float32 residual)
@@ -228,6 +228,7 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(self.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim ** 0.5)
         self._rope: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._rope_grids: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,7 +248,10 @@ class WanTransformer(nn.Module):
         return self
 
     def rope(self, f: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [f * h * w, head_dim // 2] float32 for the post-patch grid."""
+        """(cos, sin) [f * h * w, head_dim // 2] float32 for the post-patch grid (made once per grid)."""
+        got = self._rope_grids.get((f, h, w, device))
+        if got is not None:
+            return got
         tables = self._rope.get(device)
         if tables is None:
             tables = [(c.to(device), s.to(device)) for c, s in
@@ -262,7 +266,8 @@ class WanTransformer(nn.Module):
                 shape[axis] = n
                 parts.append(tables[axis][which][:n].view(shape).expand(f, h, w, -1))
             out.append(torch.cat(parts, dim=-1).reshape(f * h * w, -1))
-        return out[0], out[1]
+        got = self._rope_grids[(f, h, w, device)] = (out[0], out[1])
+        return got
 
     def _check(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> tuple[int, ...]:
         c = self.config
@@ -295,8 +300,11 @@ class WanTransformer(nn.Module):
         x = self.patch_embedding(latents.to(dt))  # [B, S, dim]
         rope = self.rope(f, h, w, dev)
 
-        uniq, inverse = torch.unique(timestep.reshape(-1), return_inverse=True)
-        inverse = inverse.view(B, -1)  # [B, S | 1]
+        if timestep.dim() == 1:  # one per row: its own row of the tables (no unique: it would sync)
+            uniq, inverse = timestep, torch.arange(B, device=dev)[:, None]
+        else:  # per token: each distinct value once (a host sync; image-to-video only)
+            uniq, inverse = torch.unique(timestep.reshape(-1), return_inverse=True)
+            inverse = inverse.view(B, -1)  # [B, S]
         temb, proj = self.condition_embedder.time(uniq, dt)
         context = self.condition_embedder.text_embedder(text_states.to(dt))
 
