@@ -1,6 +1,6 @@
 """The rms_norm_rotary op (mstar/ops/rms_norm_rotary.py): the reference against a float64 computation
 of the definition and against the two steps it replaces in Wan's self-attention (ops.rms_norm, then
-the model's apply_rotary; bit for bit), its Triton kernel (Triton's CPU interpreter; on a GPU with
+the interleaved rotary in float32; bit for bit), its Triton kernel (Triton's CPU interpreter; on a GPU with
 -m gpu, at the Wan2.2 TI2V-5B shape) against the reference, float32 and bfloat16, widths heads *
 head_dim of 3 * 16, 4 * 32 and 24 * 128 (Wan2.2 TI2V-5B's 3072).
 
@@ -23,11 +23,17 @@ import torch
 from triton_interpreter import run_interpreted
 
 from mstar import ops
-from mstar.models.wan.transformer import apply_rotary
 from mstar.ops.rms_norm_rotary import _rms_norm_rotary_ref
 
 EPS = 1e-6
 ATOL = 1e-5
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary as its own step: interleaved pairs (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), float32
+    math, x's dtype out; x [..., S, H, D], cos / sin [S, 1, D // 2]."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
 U = 2 ** -7
 EXACT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.5 * U + 1e-5}
 BACKEND_RTOL = {torch.float32: 1e-5, torch.bfloat16: 4.5 * U}

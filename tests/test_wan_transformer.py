@@ -31,7 +31,7 @@ pytest.importorskip("safetensors")
 
 from mstar.models.wan import diffusers_files as df  # noqa: E402
 from mstar.models.wan import transformer_weights as tw  # noqa: E402
-from mstar.models.wan.transformer import WanTransformer, apply_rotary  # noqa: E402
+from mstar.models.wan.transformer import WanTransformer  # noqa: E402
 from mstar.models.wan.transformer_config import (TINY_WAN_TRANSFORMER, WAN22_TI2V_5B_TRANSFORMER,  # noqa: E402
                                                  WanTransformerConfig)
 
@@ -160,13 +160,17 @@ def test_checkpoint_is_checked(models, tmp_path):
 
 
 def test_rotary_is_interleaved_complex():
-    """(x0 + i x1) e^(i a) per pair: a vector rotated by a, then by -a, comes back; pairs are adjacent."""
-    x = torch.randn(5, 2, 8)
-    ang = torch.rand(5, 1, 4) * 6.0
-    y = apply_rotary(x, ang.cos(), ang.sin())
-    want = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * torch.polar(torch.ones_like(ang), ang))
-    torch.testing.assert_close(y, want.flatten(-2))
-    torch.testing.assert_close(apply_rotary(y, ang.cos(), -ang.sin()), x)
+    """The self-attention's rotary (ops.rms_norm_rotary): (x0 + i x1) e^(i a) per adjacent pair of
+    each head, after the norm; rotated by a, then by -a, the normed vector comes back."""
+    from mstar import ops
+    x, w = torch.randn(1, 5, 16), torch.ones(16)
+    ang = torch.rand(5, 4) * 6.0
+    y = ops.rms_norm_rotary(x, w, ang.cos(), ang.sin(), 2, 1e-6)
+    n = ops.rms_norm(x, w, 1e-6, False).view(1, 5, 2, 8)
+    z = torch.view_as_complex(n.unflatten(-1, (-1, 2)).contiguous()) * torch.polar(torch.ones_like(ang), ang)[:, None]
+    torch.testing.assert_close(y, torch.view_as_real(z).flatten(-2).view(1, 5, 16))
+    back = ops.rms_norm_rotary(y, w, ang.cos(), -ang.sin(), 2, 1e-6)  # y is unit-RMS: the norm keeps it
+    torch.testing.assert_close(back, n.view(1, 5, 16), rtol=1e-5, atol=1e-5)
 
 
 def test_published_shape_on_meta():

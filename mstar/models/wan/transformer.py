@@ -78,15 +78,6 @@ def rope_tables(head_parts: tuple[int, int, int], max_len: int,
     return out
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), i.e. (x0 + i x1) * e^(i angle).
-    x [..., S, H, D]; cos / sin [S, 1, D // 2] float32; computed in float32, returned in x's dtype.
-    The rotary alone; the model's self-attention runs it fused with the q / k norm (ops.rms_norm_rotary)."""
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     """RMSNorm with a weight (diffusers' norm_q / norm_k: torch.nn.RMSNorm over heads * head_dim)."""
 
