@@ -59,6 +59,39 @@ def test_gelu_vs_float64(dtype, approximate, shape):
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
+def _gelu64(x64: torch.Tensor, approximate: str) -> torch.Tensor:
+    if approximate == "none":
+        return 0.5 * x64 * (1.0 + torch.erf(x64 / math.sqrt(2.0)))
+    return 0.5 * x64 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_vs_float64(dtype, approximate):
+    x, w, b = _rand(2, 9, 48, dtype=dtype), _rand(80, 48, dtype=dtype, scale=0.2), _rand(80, dtype=dtype)
+    out = ops.linear_gelu(x, w, b, approximate)
+    # the product rounded to the dtype first (as a separate linear would), then GELU
+    ref = _gelu64(torch.nn.functional.linear(x, w, b).double(), approximate)
+    assert out.dtype == dtype and out.shape == (2, 9, 80)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_cublaslt_on_gpu(approximate):
+    """The epilogue's GELU against float64 math on the float64 product (it rounds once, after the
+    activation): within bf16 rounding of the output."""
+    from mstar.ops.activation import _linear_gelu_cublaslt
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 700, 3072, generator=g).bfloat16().cuda()
+    w = (torch.randn(4096, 3072, generator=g) * 3072 ** -0.5).bfloat16().cuda()
+    b = torch.randn(4096, generator=g).bfloat16().cuda()
+    out = _linear_gelu_cublaslt(x, w, b, approximate)
+    ref = _gelu64(torch.nn.functional.linear(x.double(), w.double(), b.double()), approximate)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 700, 4096)
+    torch.testing.assert_close(out.double(), ref, rtol=1.6e-2, atol=1e-2)
+
+
 def test_gelu_rejects_unknown_approximation():
     with pytest.raises(Exception):
         ops.gelu(torch.randn(3, 4), "sigmoid")

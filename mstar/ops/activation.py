@@ -1,12 +1,13 @@
-"""Activation ops: the gated SiLU of SwiGLU MLPs and GELU. Both compute in float32 and
-return the input dtype; outputs are always fresh contiguous tensors."""
+"""Activation ops: the gated SiLU of SwiGLU MLPs, GELU, and a linear layer followed by GELU.
+They compute the activation in float32 and return the input dtype; outputs are always fresh
+contiguous tensors."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from mstar.ops.registry import define_op
+from mstar.ops.registry import define_op, register_backend
 
 
 def _silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -37,4 +38,29 @@ def _gelu_fake(x, approximate):
 
 gelu = define_op("gelu", "(Tensor x, str approximate) -> Tensor", reference=_gelu_ref, fake=_gelu_fake)
 
-__all__ = ["silu_and_mul", "gelu"]
+
+
+def _linear_gelu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x @ weight.T + bias): the product rounded to x's dtype, then GELU in float32."""
+    return _gelu_ref(F.linear(x, weight, bias), approximate)
+
+
+def _linear_gelu_fake(x, weight, bias, approximate):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_gelu_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """cuBLASLt's GEMM with the bias + GELU (tanh) epilogue: GELU is applied to the float32
+    accumulator before the single rounding, so no activation pass over the product is made."""
+    if approximate != "tanh":
+        return _linear_gelu_ref(x, weight, bias, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    return torch._addmm_activation(bias, x2, weight.t(), use_gelu=True).view(*x.shape[:-1], weight.shape[0])
+
+
+linear_gelu = define_op("linear_gelu", "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
+                        reference=_linear_gelu_ref, fake=_linear_gelu_fake)
+register_backend(linear_gelu, "cublaslt", _linear_gelu_cublaslt, devices=("cuda",), available=torch.cuda.is_available,
+                 priority=10, note="one cuBLASLt GEMM with the bias + GELU-tanh epilogue (torch._addmm_activation)")
+
+__all__ = ["silu_and_mul", "gelu", "linear_gelu"]

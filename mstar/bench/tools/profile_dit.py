@@ -6,7 +6,8 @@ One denoising forward over --rows rows (guidance's cond + uncond rows of one req
 given video shape, timed with CUDA events over --repeats forwards (with its achieved TFLOP/s:
 mstar.bench.video.dit_flops), then one profiled: the kernels by device time, grouped into GEMMs,
 attention, normalisation / modulation, rotary and the remaining elementwise kernels, and the top
-kernels by name.
+kernels by name. --graph replays the forward as a CUDA graph (the pipeline's default:
+MSTAR_DIT_GRAPHS), so the launch gaps between its kernels go.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--text-len", type=int, default=512, help="text tokens per row (the pipeline pads to 512)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--graph", action="store_true", help="replay the forward as a CUDA graph (ShapeGraphs)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -55,8 +57,10 @@ def main(argv=None) -> int:
     if preset is None:
         p.error(f"{args.model!r} is not a Wan preset")
     cfg = WanConfig.from_dict(preset.config)
-    model = random_transformer(cfg.transformer, 0, dev, dtype)
-    c = model.config
+    from mstar.models.shape_graphs import ShapeGraphs
+    transformer = random_transformer(cfg.transformer, 0, dev, dtype)
+    c = transformer.config
+    model = ShapeGraphs(transformer, max_graphs=1, enabled=args.graph)
     w, h = (int(v) for v in args.size.split("x"))
     f = (args.frames - 1) // 4 + 1
     x = torch.randn(args.rows, c.in_channels, f, h // 16, w // 16, device=dev, dtype=dtype)
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    for _ in range(2):
+    for _ in range(3):  # a graph: eager, capture, replay
         model(x, t, text)
     sync()
     t0 = time.perf_counter()
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
         model(x, t, text)
     sync()
     sec = (time.perf_counter() - t0) / args.repeats
-    print(f"{args.model} {args.size}x{args.frames} rows {args.rows}: {1e3 * sec:.1f} ms a forward, "
+    print(f"{args.model} {args.size}x{args.frames} rows {args.rows}{' (CUDA graph)' if model.captures else ''}: "
+          f"{1e3 * sec:.1f} ms a forward, "
           f"{flops / sec / 1e12:.1f} TFLOP/s", flush=True)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -14,7 +14,8 @@ request by request:
                         state per request; each step is one transformer forward over the batch's
                         rows, the cond rows then (guidance_scale > 1) the uncond rows, guided per
                         request in the transformer's dtype: uncond + g * (cond - uncond), then the
-                        scheduler step on the float32 latents
+                        scheduler step on the float32 latents. On CUDA the forward replays a
+                        CUDA graph per batch shape (MSTAR_DIT_GRAPHS; text-to-video and images)
     image-to-video      (expand_timesteps) the image, resized to W x H (PIL Lanczos, as diffusers'
                         VideoProcessor; none when it has that size) and scaled to [-1, 1], is one
                         frame through the VAE encoder (the posterior mean), normalised
@@ -52,7 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.models import interfaces as I
+from mstar.models.shape_graphs import ShapeGraphs
 
 MAX_INPUT_CHARS = 4000
 MAX_STEPS = 200
@@ -128,6 +131,8 @@ class WanPipeline(I.Pipeline):
                  guidance_scale: float = 5.0, max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.text_encoder, self.scheduler = transformer, vae, text_encoder, scheduler
+        graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))
+        self.graphed_transformer = ShapeGraphs(transformer, max_graphs=max(graphs, 1), enabled=graphs > 0)
         self.expand_timesteps = bool(expand_timesteps)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames = int(max_frames)
@@ -321,7 +326,9 @@ class WanPipeline(I.Pipeline):
         inp = self._composite(state).to(dt)
         if state["cfg"]:
             inp, t = torch.cat([inp, inp]), torch.cat([t, t])
-        out = self.transformer(inp, t, state["text"])
+        # per-token timesteps take a host sync inside the forward (torch.unique): no graph
+        forward = self.transformer if state["mask"] is not None else self.graphed_transformer
+        out = forward(inp, t, state["text"])
         new = []
         for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):
             pred = out[k:k + 1]

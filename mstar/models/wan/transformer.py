@@ -24,7 +24,8 @@ The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with it
                       table itself (one kernel on CUDA, no [B, S, dim] float32 temporaries);
                       attention: q, k RMSNorm over all heads together (width heads * head_dim), the
                       self-attention's q, k rotated by the 3-D rotary (norm and rotary in one
-                      ops.rms_norm_rotary); FFN: linear, GELU tanh, linear
+                      ops.rms_norm_rotary); FFN: linear, GELU tanh, linear (the first
+                      two one ops.linear_gelu: on CUDA one GEMM with a GELU epilogue)
     output            (shift, scale) = scale_shift_table + temb (float32); proj_out(LN(x) * (1 + scale)
                       + shift); unpatchify
 
@@ -127,7 +128,7 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(ops.gelu(self.proj_in(x), "tanh"))
+        return self.proj_out(ops.linear_gelu(x, self.proj_in.weight, self.proj_in.bias, "tanh"))
 
 
 def _indptr(rows: int, length: int) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""A CUDA graph per input-shape signature of a pure tensor function (a denoising forward).
+
+    graphed = ShapeGraphs(transformer, max_graphs=4)
+    out = graphed(latents, timestep, text)      # the first call of a shape runs eagerly, the second
+                                                # captures, later ones replay
+
+The function must depend only on its tensor arguments' values (no host reads of them, no
+data-dependent shapes) and must not mutate them. A call's output is cloned out of the graph's
+static buffer, so it stays valid after the next replay. Arguments on the CPU, or a disabled
+instance, run the function eagerly. At most `max_graphs` signatures are kept (least recently used
+dropped, with their memory pool): continuous batching changes the batch size as requests join
+and leave, and every size is its own graph.
+
+The first call of a signature is eager because it warms the function's own caches (rotary tables,
+kernel autotuning, cuDNN plans) outside the capture, where allocations of persistent tensors would
+otherwise land in the graph's private pool.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import torch
+
+
+def _signature(args: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) for a in args)
+
+
+class _Captured:
+    __slots__ = ("graph", "inputs", "output")
+
+    def __init__(self, graph, inputs, output):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+
+class ShapeGraphs:
+    def __init__(self, fn: Callable[..., torch.Tensor], *, max_graphs: int = 4, enabled: bool = True):
+        self.fn = fn
+        self.max_graphs = int(max_graphs)
+        self.enabled = bool(enabled)
+        self._graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
+        self._seen: set[tuple] = set()
+        self.captures = 0  # how many graphs were captured (tests and logs read it)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or not args or args[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return self.fn(*args)
+        key = _signature(args)
+        got = self._graphs.get(key)
+        if got is None:
+            if key not in self._seen:  # first sight: eager, warming the function's caches
+                self._seen.add(key)
+                return self.fn(*args)
+            got = self._capture(key, args)
+        else:
+            self._graphs.move_to_end(key)
+        for dst, src in zip(got.inputs, args):
+            dst.copy_(src, non_blocking=True)
+        got.graph.replay()
+        return got.output.clone()
+
+    def _capture(self, key: tuple, args: tuple[torch.Tensor, ...]) -> _Captured:
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        inputs = tuple(a.clone() for a in args)
+        side = torch.cuda.Stream(device=args[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one more eager run on the capture stream (lazy inits there)
+            self.fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.fn(*inputs)
+        got = self._graphs[key] = _Captured(graph, inputs, output)
+        self.captures += 1
+        return got
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+
+__all__ = ["ShapeGraphs"]
