@@ -118,6 +118,31 @@ class FixedStepLoopStage:
 
 
 @dataclass
+class DecodeLoopStage:
+    """An open-ended loop (autoregressive synthesis: one step is one frame of every row), continuous
+    at step granularity: same-key requests join a running batch before a step, and each row runs
+    until the stage says it is done.
+        start(requests) -> state                 a batch of same-key requests (their prefill)
+        join(state, requests) -> state           more requests, appended as the last rows
+        step(state) -> (state, rows)             one step of every row; rows: one (outputs, done)
+                                                 per row, in order: outputs (MediaOutputs) produced
+                                                 now, done: the row has ended
+        leave(state, rows) -> (state, outputs)   those rows (indices, ascending) taken out; one list
+                                                 of their last outputs per row (a done row's final
+                                                 chunk; an aborted row's are discarded)
+    As the last stage, each step's outputs go to the client as they come (the speech route streams
+    them), then a done row's last outputs with its finish; as an earlier stage a request's outputs
+    are collected and the next stage gets them all."""
+    start: Callable[[list[MediaRequest]], Any]
+    step: Callable[[Any], tuple[Any, list[tuple[list[MediaOutput], bool]]]]
+    join: Callable[[Any, list[MediaRequest]], Any]
+    leave: Callable[[Any, list[int]], tuple[Any, list[list[MediaOutput]]]]
+    batch_key: Callable[[MediaRequest], Any] = lambda r: None
+    max_batch: int = 8
+    kind: str = "decode_loop"
+
+
+@dataclass
 class Pipeline:
     """The stages of a non-autoregressive family, run in order: each stage's outputs of a request
     become the next stage's `inputs["previous"]`; the last stage's outputs go to the client.

@@ -20,6 +20,10 @@ queue, grouped by the stage's `batch_key`. One engine step visits the stages in 
                          of a running batch's key into it before its step (up to max_batch), and
                          a request past its own last step leaves its batch alone
 
+  decode loop stage      open-ended and continuous: every running batch takes joins, then one
+                         step whose outputs stream out at once; rows the stage says are done
+                         leave (decode_loop.py)
+
 so batches of different keys (image sizes) interleave step by step, and an abort takes effect
 between two steps. A request whose stage finished joins the next stage's queue with the outputs
 as `inputs["previous"]` (in the same engine step: later stages are visited after it); after the
@@ -48,18 +52,20 @@ import time
 from typing import Any, Iterable
 
 from mstar.models import interfaces as I
+from mstar.runtime.engine.decode_loop import DecodeLoopDriver
 from mstar.runtime.engine.request import CoreOutput, EngineRequest, RequestError
 
 logger = logging.getLogger("mstar.stage_engine")
 
 
 class _Req:
-    __slots__ = ("key", "media", "order", "rid", "stage")
+    __slots__ = ("collected", "key", "media", "order", "rid", "stage")
 
     def __init__(self, rid: str, media: I.MediaRequest, order: int):
         self.rid, self.media, self.order = rid, media, order
         self.stage = 0
         self.key: Any = None
+        self.collected: list = []  # a decode loop's outputs so far, when it is not the last stage
 
 
 class _Batch:
@@ -77,7 +83,7 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class StageEngine:
+class StageEngine(DecodeLoopDriver):
     """Runs a Pipeline's stages over batches of MediaRequests (see the module docstring)."""
 
     is_encoder_decoder = False
@@ -102,9 +108,9 @@ class StageEngine:
         if not isinstance(pipeline, I.Pipeline) or not pipeline.stages:
             raise ValueError(f"model: the pipeline of {config.model!r} has no stages")
         for k, st in enumerate(pipeline.stages):
-            if not isinstance(st, (I.OneShotStage, I.FixedStepLoopStage)):
-                raise ValueError(f"stage {k} of {config.model!r} is a {type(st).__name__}, not a OneShotStage "
-                                 "or FixedStepLoopStage")
+            if not isinstance(st, (I.OneShotStage, I.FixedStepLoopStage, I.DecodeLoopStage)):
+                raise ValueError(f"stage {k} of {config.model!r} is a {type(st).__name__}, not a OneShotStage, "
+                                 "FixedStepLoopStage or DecodeLoopStage")
             if not isinstance(st.max_batch, int) or st.max_batch < 1:
                 raise ValueError(f"stage {k} of {config.model!r}: max_batch must be a positive integer")
         self.pipeline = pipeline
@@ -201,6 +207,8 @@ class StageEngine:
             for k, stage in enumerate(self.stages):
                 if isinstance(stage, I.OneShotStage):
                     self._one_shot(k, stage, outputs, trace)
+                elif isinstance(stage, I.DecodeLoopStage):
+                    self._decode_loop(k, stage, outputs, trace)
                 else:
                     self._loop(k, stage, outputs, trace)
         return outputs
@@ -290,9 +298,13 @@ class StageEngine:
                 continue
             finally:
                 self._account(k, len(batch), t0)
-            b = _Batch(k, key, batch, state, n)
+            b = self._new_batch(k, key, batch, state, n)
             running.append(b)
             self._advance_batch(k, stage, b, outputs, trace)  # its first step comes with its start
+
+    @staticmethod
+    def _new_batch(k: int, key, reqs: list[_Req], state, n: int = 0) -> _Batch:
+        return _Batch(k, key, reqs, state, n)
 
     def _drop_aborted(self, k: int, stage: I.FixedStepLoopStage, b: _Batch, outputs: list, trace: list) -> None:
         """Aborted rows out of a continuous batch (their memory freed, room for joins)."""
