@@ -17,6 +17,7 @@ from mstar.ops.sampling import *  # noqa: F401,F403
 from mstar.ops.dense_attention import *  # noqa: F401,F403
 from mstar.ops.layer_norm import *  # noqa: F401,F403
 from mstar.ops.snake import *  # noqa: F401,F403
+from mstar.ops.snake_beta import *  # noqa: F401,F403
 from mstar.ops.adain import *  # noqa: F401,F403
 from mstar.ops.modulate import *  # noqa: F401,F403
 from mstar.ops.rms_norm_rotary import *  # noqa: F401,F403
