@@ -24,7 +24,7 @@ from mstar.models.presets import Preset
 
 _BUILTIN = ("mstar.models.qwen3_5.family", "mstar.models.qwen3.family", "mstar.models.llama.family",
             "mstar.models.orpheus.family", "mstar.models.whisper.family", "mstar.models.kokoro.family",
-            "mstar.models.wan.family")
+            "mstar.models.wan.family", "mstar.models.cosmos3.family")
 PIPELINE_INDEX = "model_index.json"  # a diffusers pipeline directory's (it has no config.json)
 
 

@@ -19,6 +19,21 @@ its last (zero) entry dropped, gives N sigmas from ~1 down; the timesteps are in
 truncates them to int64 too); the sigmas get a final 0 ("zero") or a repeat of the last one ("sigma_min")
 and are float32 on the CPU.
 
+That is diffusers 0.36's flow schedule (FLOW_SIGMAS_WAN, the default). diffusers 0.40 changed it;
+a scheduler built with `flow_sigmas=` computes one of the newer ones instead (the steps are the
+same; only the N sigmas, hence the timesteps, differ):
+  FLOW_SIGMAS_DIFFUSERS  diffusers >= 0.40's set_timesteps with no sigmas given: the unshifted
+                         u = linspace(1, 1/T, N + 1)[:N] (the 0.36 values + 1/T), shifted, and a
+                         first sigma within 1e-6 of 1 lowered by 1e-6 (so the first timestep is
+                         999, not 1000, and log(1 - sigma) stays finite).
+  FLOW_SIGMAS_NATIVE     the sigmas a pipeline passes to that set_timesteps for the "native" flow
+                         schedule (Cosmos3OmniPipeline with use_native_flow_schedule, the
+                         Cosmos3-Edge release): u = linspace(1 - 1/T, 0, N + 1)[:N], shifted (the
+                         same check of the first sigma). These are the 0.36 values in exact
+                         arithmetic, computed another way: a sigma's last bit, and a timestep's
+                         int64 truncation, can differ (N = 3, shift 1: timesteps 999, 665, 332
+                         against 0.36's 999, 666, 332).
+
 A step at index i (alpha = 1 - sigma, lambda = log(alpha) - log(sigma), h = lambda_next - lambda_i):
   1. x0 = sample - sigma_i * model_output  (the data prediction).
   2. From i >= 1 (unless i - 1 is in disable_corrector) the UniC corrector refines the sample this
@@ -122,6 +137,32 @@ WAN22_TI2V_5B_SCHEDULER: dict[str, Any] = {
 # solver_type names diffusers accepts and runs as "bh2"
 _BH2_ALIASES = ("midpoint", "heun", "logrho")
 
+# the N flow sigmas of a schedule (module docstring): diffusers 0.36's, >= 0.40's, the "native" one
+FLOW_SIGMAS_WAN = "diffusers-0.36"
+FLOW_SIGMAS_DIFFUSERS = "diffusers-0.40"
+FLOW_SIGMAS_NATIVE = "native"
+FLOW_SIGMAS = (FLOW_SIGMAS_WAN, FLOW_SIGMAS_DIFFUSERS, FLOW_SIGMAS_NATIVE)
+_FIRST_SIGMA_EPS = 1e-6  # diffusers >= 0.40 lowers a first sigma this close to 1 by this much
+
+
+def flow_sigmas(n: int, shift: float, num_train_timesteps: int, kind: str = FLOW_SIGMAS_WAN) -> np.ndarray:
+    """The N shifted flow sigmas (float64, high noise first, no final sigma) of schedule `kind`,
+    with diffusers' numpy operations of that schedule."""
+    big_t = num_train_timesteps
+    if kind == FLOW_SIGMAS_WAN:
+        u = 1.0 - np.linspace(1.0, 1.0 / big_t, n + 1)                # 0 .. 1 - 1/T
+        return (shift * u / (1.0 + (shift - 1.0) * u))[::-1][:n].copy()  # reversed, the 0 dropped
+    if kind == FLOW_SIGMAS_DIFFUSERS:
+        u = np.linspace(1.0, 1.0 / big_t, n + 1)[:-1]
+    elif kind == FLOW_SIGMAS_NATIVE:
+        u = np.linspace(1.0 - 1.0 / big_t, 0.0, n + 1)[:-1]
+    else:
+        raise ValueError(f"flow_sigmas must be one of {', '.join(FLOW_SIGMAS)}, got {kind!r}")
+    s = shift * u / (1 + (shift - 1) * u)
+    if np.fabs(s[0] - 1) < _FIRST_SIGMA_EPS:
+        s[0] -= _FIRST_SIGMA_EPS
+    return s
+
 
 @dataclass
 class UniPCState:
@@ -176,10 +217,18 @@ def _flag(cfg: dict, key: str) -> bool:
 class FlowUniPCScheduler:
     """diffusers' UniPCMultistepScheduler for flow matching, stateless: the state is a UniPCState."""
 
-    def __init__(self, config: dict | None = None):
+    def __init__(self, config: dict | None = None, flow_sigmas: str = FLOW_SIGMAS_WAN):
+        """flow_sigmas: which diffusers flow schedule the sigmas follow (module docstring)."""
         given = dict(WAN22_TI2V_5B_SCHEDULER if config is None else config)
         cfg = {**DIFFUSERS_DEFAULTS, **given}  # unknown keys are kept (and not used)
         self._check(cfg)
+        if flow_sigmas not in FLOW_SIGMAS:
+            raise ValueError(f"flow_sigmas must be one of {', '.join(FLOW_SIGMAS)}, got {flow_sigmas!r}")
+        if flow_sigmas != FLOW_SIGMAS_WAN:
+            for key in ("shift_terminal", "sigma_min", "sigma_max"):  # diffusers >= 0.40's, unused at 0.36
+                if cfg.get(key) is not None:
+                    raise ValueError(f"scheduler config: {key!r} is not supported")
+        self.flow_sigmas = flow_sigmas
         if cfg["solver_type"] in _BH2_ALIASES:
             cfg["solver_type"] = "bh2"  # as diffusers registers it
         self.config = cfg
@@ -192,7 +241,7 @@ class FlowUniPCScheduler:
         self.disable_corrector = frozenset(int(i) for i in (cfg["disable_corrector"] or ()))
 
     @classmethod
-    def from_dir(cls, path) -> "FlowUniPCScheduler":
+    def from_dir(cls, path, flow_sigmas: str = FLOW_SIGMAS_WAN) -> "FlowUniPCScheduler":
         """Read <path>/scheduler_config.json (or <path>/scheduler/scheduler_config.json, a model root)."""
         file = os.path.join(path, CONFIG_FILE)
         if not os.path.isfile(file):
@@ -200,7 +249,7 @@ class FlowUniPCScheduler:
             if os.path.isfile(nested):
                 file = nested
         with open(file, encoding="utf-8") as f:
-            return cls(json.load(f))
+            return cls(json.load(f), flow_sigmas=flow_sigmas)
 
     # ---------------------------------------------------------------- config
 
@@ -264,9 +313,12 @@ class FlowUniPCScheduler:
         if not (shift > 0 and math.isfinite(shift)):
             raise ValueError(f"flow_shift must be a positive number, got {flow_shift!r}")
         big_t = self.num_train_timesteps
-        u = 1.0 - np.linspace(1.0, 1.0 / big_t, n + 1)                 # 0 .. 1 - 1/T, float64
-        shifted = shift * u / (1.0 + (shift - 1.0) * u)
-        s = shifted[::-1][:n].copy()                                   # high noise first, the 0 dropped
+        if self.flow_sigmas == FLOW_SIGMAS_WAN:
+            u = 1.0 - np.linspace(1.0, 1.0 / big_t, n + 1)                 # 0 .. 1 - 1/T, float64
+            shifted = shift * u / (1.0 + (shift - 1.0) * u)
+            s = shifted[::-1][:n].copy()                                   # high noise first, the 0 dropped
+        else:
+            s = flow_sigmas(n, shift, big_t, self.flow_sigmas)             # diffusers >= 0.40's
         ts = torch.from_numpy(s * big_t).to(torch.int64)               # truncated, as diffusers does
         last = 0.0 if self.final_sigmas_type == "zero" else s[-1]
         sig = torch.from_numpy(np.append(s, last).astype(np.float32))
