@@ -195,7 +195,11 @@ def test_bad_requests_kokoro(kokoro):
                         ({"input": "x", "stream_format": "video"}, "stream_format"),
                         ({"input": "x", "language": "x" * 33}, "language"), ({"input": "x", "language": 5}, "language"),
                         ({"phonemes": ""}, "phonemes"), ({"phonemes": "a" * (4 * 4096 + 1)}, "phonemes"),
-                        ({"input": "x", "max_new_tokens": 0}, "max_new_tokens"), ({"input": "x", "foo": 1}, "foo")):
+                        ({"input": "x", "max_new_tokens": 0}, "max_new_tokens"), ({"input": "x", "foo": 1}, "foo"),
+                        # Qwen3-TTS's fields: a model that does not list them refuses them
+                        ({"input": "x", "task_type": "Base"}, "task_type"),
+                        ({"input": "x", "initial_codec_chunk_frames": 4}, "initial_codec_chunk_frames"),
+                        ({"input": "x", "stream": 3}, "stream")):
         _err(s.post("/v1/audio/speech", body), 400, param)
     # refused by the pipeline (its batch key), not by the route: still a 400, naming the field
     for stream in (None, "sse", "audio"):

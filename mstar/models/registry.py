@@ -5,7 +5,7 @@ tokenizer lookup, the presets and the runtime ask the registry, never a family b
     family.capabilities                            # interfaces.py names
     family.model_class(config), family.config_from_dir(path, raw_config)
 
-Families built in: qwen3_5, qwen3, llama, orpheus, whisper, kokoro, wan (each a package `mstar/models/<family>/`
+Families built in: qwen3_5, qwen3, llama, orpheus, whisper, kokoro, wan, cosmos3, qwen3_tts (each a package `mstar/models/<family>/`
 whose `family.py` calls `register`). More come from plugins: MSTAR_MODEL_PLUGINS names modules that
 call `register` when imported (read once, at the first lookup; spawned engine processes read
 the same environment).
@@ -24,7 +24,7 @@ from mstar.models.presets import Preset
 
 _BUILTIN = ("mstar.models.qwen3_5.family", "mstar.models.qwen3.family", "mstar.models.llama.family",
             "mstar.models.orpheus.family", "mstar.models.whisper.family", "mstar.models.kokoro.family",
-            "mstar.models.wan.family", "mstar.models.cosmos3.family")
+            "mstar.models.wan.family", "mstar.models.cosmos3.family", "mstar.models.qwen3_tts.family")
 PIPELINE_INDEX = "model_index.json"  # a diffusers pipeline directory's (it has no config.json)
 
 

@@ -111,9 +111,11 @@ class CodePredictor(nn.Module):
         steps = []
         for j in range(2, G):
             pj = np.full(B, j, dtype=np.int64)
+            # each step its own indptr: attention backends key their plans on it, and the steps'
+            # plans differ (every row's key count grows by one a step)
             steps.append(ForwardContext(input_ids=to_dev(pj), positions=to_dev(pj), num_decode_tokens=B,
                                         attn=AttentionMetadata(
-                slot_mapping=to_dev(rows * G + j), decode_kv_indptr=ind, decode_kv_indices=page,
+                slot_mapping=to_dev(rows * G + j), decode_kv_indptr=ind.clone(), decode_kv_indices=page,
                 decode_kv_last_page_len=torch.full((B,), j + 1, dtype=torch.int32), prefill_qo_indptr=one0,
                 prefill_kv_indptr=one0, prefill_kv_indices=none32.to(dev), prefill_kv_last_page_len=none32)))
         return pre, steps

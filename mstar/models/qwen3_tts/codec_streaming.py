@@ -98,6 +98,7 @@ class _Stream:
     pending_frames: int = 0
     decoded_frames: int = 0
     finished: bool = False
+    initial_chunk_frames: int = 4
 
 
 class CodecStreamer:
@@ -117,10 +118,14 @@ class CodecStreamer:
     def streams(self) -> list[Hashable]:
         return list(self._streams)
 
-    def join(self, stream: Hashable) -> None:
+    def join(self, stream: Hashable, initial_chunk_frames: int | None = None) -> None:
+        """A new stream; initial_chunk_frames: its first chunk's size (None: the streamer's)."""
         if stream in self._streams:
             raise ValueError(f"codec streamer: stream {stream!r} already joined")
-        self._streams[stream] = _Stream(self.pool.acquire())
+        first = self.initial_chunk_frames if initial_chunk_frames is None else int(initial_chunk_frames)
+        if first < 1:
+            raise ValueError("codec streamer: chunk sizes must be >= 1 frame")
+        self._streams[stream] = _Stream(self.pool.acquire(), initial_chunk_frames=first)
 
     def feed(self, stream: Hashable, codes: torch.Tensor) -> None:
         """Append frames to a stream: codes [Q, k] (k >= 0) or [Q]."""
@@ -144,7 +149,7 @@ class CodecStreamer:
         self.pool.release(self._streams.pop(stream).slot)
 
     def _want(self, s: _Stream) -> int:
-        return self.initial_chunk_frames if s.decoded_frames == 0 else self.chunk_frames
+        return s.initial_chunk_frames if s.decoded_frames == 0 else self.chunk_frames
 
     def ready(self) -> list[Hashable]:
         """The streams that a step would give a chunk: a whole chunk pending, or finished."""
@@ -158,7 +163,8 @@ class CodecStreamer:
         audio = None
         if rows:
             n = max(takes[k] for k in rows)
-            codes = torch.zeros((len(rows), self.decoder.config.num_quantizers, n), dtype=torch.long)
+            codes = torch.zeros((len(rows), self.decoder.config.num_quantizers, n), dtype=torch.long,
+                                device=self.decoder.device)  # the frames stay on the device: no host sync
             for r, k in enumerate(rows):
                 codes[r, :, :takes[k]] = self._take(self._streams[k], takes[k])
             audio = self.pool.decode([self._streams[k].slot for k in rows], codes, [takes[k] for k in rows])

@@ -152,7 +152,8 @@ def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     p = _decode_wrapper(q.device, hq // hkv, page)
-    shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
+    # the plan reads indices and last_page_len too: a caller may reuse an indptr with other ones
+    shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale, id(kv_indices), id(kv_last_page_len))
     if p.stale(kv_indptr, shape_key):
         t0 = time.perf_counter_ns() if phase_clock.enabled else 0
         with _planning():
@@ -173,7 +174,8 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     p = _prefill_wrapper(q.device, page)
-    shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
+    shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale, id(qo_indptr), id(kv_indices),
+                 id(kv_last_page_len))
     if p.stale(kv_indptr, shape_key):
         t0 = time.perf_counter_ns() if phase_clock.enabled else 0
         with _planning():

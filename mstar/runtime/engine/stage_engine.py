@@ -79,6 +79,10 @@ class _Batch:
         self.done = [0] * len(reqs)
 
 
+# fields a family's refusal may name though the request left them out (their defaults were wrong for it)
+_NAMED_FIELDS = frozenset({"text", "voice", "instructions", "language", "max_new_tokens"})
+
+
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -238,6 +242,9 @@ class StageEngine(DecodeLoopDriver):
             key = st.batch_key(r.media)
             hash(key)
         except Exception as e:  # noqa: BLE001
+            name, _, message = str(e).partition(": ")
+            if isinstance(e, ValueError) and message and (name in r.media.inputs or name in _NAMED_FIELDS):
+                raise RequestError(name, message) from None  # the family's "field: message"
             raise RequestError("input", f"the model cannot batch this request ({_error_text(e)})") from None
         r.stage, r.key = stage, key
         q = self._waiting[stage].get(key)

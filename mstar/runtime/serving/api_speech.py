@@ -32,6 +32,10 @@ POST /v1/audio/speech, OpenAI's schema plus vLLM-Omni's extras:
                      espeak-ng language for the text)
     phonemes         the model's phoneme string, used instead of the text's (Kokoro); at most 4x
                      the input limit (engine inputs["phonemes"])
+    stream           true: as stream_format "sse" when stream_format is absent (vLLM-Omni's field)
+    task_type, ref_audio, ref_text, initial_codec_chunk_frames, non_streaming_mode
+                     vLLM-Omni's Qwen3-TTS fields (mstar/models/qwen3_tts/stage.py says what each
+                     does), taken by a model whose accepts["fields"] lists them; others answer 400
 GET /v1/audio/voices: {"voices": accepts["voices"]} (a model without SYNTHESIZES_SPEECH: a 400,
     as the other capability-gated routes; api_server.py).
 
@@ -70,8 +74,10 @@ from mstar.runtime.serving.api_sse import SSEResponse, pump_until_disconnect, ss
 
 logger = logging.getLogger("mstar.server")
 
-SPEECH_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
-                           "seed", "max_new_tokens", "language", "phonemes"})
+# fields a model takes only when its accepts["fields"] lists them (Qwen3-TTS: vLLM-Omni's names)
+MODEL_FIELDS = ("task_type", "ref_audio", "ref_text", "initial_codec_chunk_frames", "non_streaming_mode")
+SPEECH_FIELDS = frozenset({"model", "input", "voice", "response_format", "speed", "stream_format", "stream",
+                           "instructions", "seed", "max_new_tokens", "language", "phonemes", *MODEL_FIELDS})
 MAX_SPEECH_CHARS = 4096  # OpenAI's limit on `input`
 MAX_NEW_TOKENS = 65536
 MAX_LANGUAGE_CHARS = 32
@@ -172,6 +178,8 @@ def parse_speech(server, body: dict) -> tuple[dict, int, str, str | None]:
         raise bad("speed", f"Invalid 'speed': this model speaks at {', '.join(f'{float(s):g}' for s in speeds)} "
                            f"only, got {speed:g}.", "invalid_value")
     stream_format = P._str(body, "stream_format")
+    if P._bool(body, "stream", False) and stream_format is None:
+        stream_format = "sse"  # vLLM-Omni's `stream`: server-sent events unless stream_format says otherwise
     if stream_format is not None and stream_format not in STREAM_FORMATS:
         raise bad("stream_format", f"Invalid 'stream_format': {stream_format!r} is not supported; use 'audio' or "
                                    "'sse' (or leave it out for the whole file).", "invalid_value")
@@ -201,7 +209,27 @@ def parse_speech(server, body: dict) -> tuple[dict, int, str, str | None]:
             raise bad("max_new_tokens", f"Invalid 'max_new_tokens': must be in [1, {MAX_NEW_TOKENS}], got {max_new}.",
                       "invalid_value")
         inputs["max_new_tokens"] = max_new
+    inputs.update(_model_fields(server, body))
     return inputs, seed, fmt, stream_format
+
+
+def _model_fields(server, body: dict) -> dict:
+    """The MODEL_FIELDS the request gives, type-checked; a model whose accepts["fields"] does not list
+    one refuses it."""
+    takes = set(server.accepts.get("fields") or ())
+    out: dict = {}
+    for name in MODEL_FIELDS:
+        if body.get(name) is None:
+            continue
+        if name not in takes:
+            raise bad(name, f"Invalid '{name}': this model takes no {name}.", "invalid_value")
+        if name == "initial_codec_chunk_frames":
+            out[name] = P._int(body, name, lo=1, hi=1024)
+        elif name == "non_streaming_mode":
+            out[name] = P._bool(body, name)
+        else:
+            out[name] = P._str(body, name)
+    return out
 
 
 def _engine_error(e: APIError, inputs: dict) -> APIError:
