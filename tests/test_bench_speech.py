@@ -47,6 +47,16 @@ def test_orpheus_points_and_hf_baseline(tmp_path):
     assert ours["overlap"] is True
 
 
+def test_qwen3_tts_points_have_the_pinned_length(tmp_path):
+    recs = _run(tmp_path, "--model", "tiny-qwen3-tts", "--concurrency", "1", "2", "--seconds", "0.5", "--waves", "2",
+                "--min-requests", "1")
+    assert [(r["concurrency"], r["requests"]) for r in recs] == [(1, 2), (2, 4)]
+    for r in recs:
+        assert r["family"] == "qwen3_tts" and r["frames"] == 7  # ceil(0.5 s / 80 ms)
+        assert r["audio_s_mean"] == pytest.approx(7 * 0.08)  # end of speech is never drawn: exactly 7 frames
+        assert 0 < r["first_audio_p50_ms"] <= r["first_audio_p90_ms"] and r["req_s"] > 0
+
+
 def test_orpheus_no_overlap_records_it(tmp_path, monkeypatch):
     """--no-overlap builds the engine with async_output off, and the record says so."""
     from mstar.runtime.engine import llm as L

@@ -3,6 +3,7 @@ point, against the reference packages in the same run.
 
     mstar bench speech --model kokoro-82m --random-weights --baseline kokoro
     mstar bench speech --model orpheus-3b --random-weights --baseline hf
+    mstar bench speech --model qwen3-tts-1.7b --random-weights
 
 Request length: random weights never end an utterance by themselves (an LM samples audio tokens
 until max_new_tokens; Kokoro's duration predictor gives ~25 frames per phoneme), so every request
@@ -12,6 +13,8 @@ is pinned to --seconds of audio:
              early by chance: the audio seconds below are what came out.)
     Kokoro   a phoneme string of --phonemes-per-second * seconds symbols with every token's
              duration pinned (the pipeline's `durations` input) so that the frames make --seconds.
+    Qwen3-TTS  min_new_tokens = max_new_tokens = ceil(seconds * 12.5) frames (80 ms each): end of
+             speech is never drawn, so every request is exactly that long.
 
 Per point: N = max(--waves * c, --min-requests) requests after a warm-up of c; c are in flight
 at all times. Reported: req/s, audio seconds per wall second, first-audio latency p50 / p90 (from
@@ -19,7 +22,8 @@ submission to the first audio chunk), the real-time factor (a request's latency 
 seconds, mean), and `realtime`: the fraction of streams that never run dry (each chunk arrives
 before the audio before it has played out, counting from the first chunk).
 
-Baselines (--baseline, before mstar's engine is built, in the same process and GPU):
+Baselines (--baseline, before mstar's engine is built, in the same process and GPU; qwen-tts in a
+subprocess on the same GPU):
     kokoro   the kokoro package's KModel, eager, one request at a time as the package serves them
              (its text pipeline is not imported: misaki downloads a spaCy model); the same
              durations pinned through its duration projection; one point (c1: it does not batch).
@@ -28,6 +32,10 @@ Baselines (--baseline, before mstar's engine is built, in the same process and G
              prompts, then the snac package decoding every window as the release's glue does
              (the last 28 tokens every 7, the middle 2048 samples); first audio = the 28th
              token's time plus one window's decode. Points: --baseline-concurrency.
+    qwen-tts the qwen-tts package's Qwen3TTSModel.generate_custom_voice with random weights of the
+             same shapes on a batch of c requests (end of speech masked: exactly the frames asked),
+             then its speech tokenizer's decode; it does not stream, so first audio is the whole
+             call. Points: --baseline-concurrency.
 
 Prints one line per point and appends one JSON record per point to --out
 (default notes/results/speech.jsonl).
@@ -53,6 +61,7 @@ from mstar.bench import append_jsonl
 SNAC_SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one frame (7 Orpheus tokens) of the coarsest codebook
 PHONEME_TEXT = ("ðə kwˈɪk bɹˈaʊn fˈɑks ʤˈʌmps ˈOvəɹ ðə lˈAzi dˈɔɡ, ænd ɪt kˈʌmz bˈæk əɡˈɛn. "
                 "hˈæpi ˈiːvnɪŋ, ɛvɹiwˌʌn! ")
+QWEN3_TTS_FRAME_S = 0.08  # one 12 Hz codec frame
 ORPHEUS_TEXT = ("Hey there, my name is Tara, and I am here to read you a short story about a fox, "
                 "a dog, and a very long afternoon by the river.")
 
@@ -180,6 +189,14 @@ def run_mstar(args, family: str) -> list[dict]:
 
             def make(i):
                 return [{"phonemes": ps, "durations": dur}], voices[i % len(voices)], {}
+        elif family == "qwen3_tts":  # the package baseline's prompt: the same text, speaker and language
+            from mstar.bench.speech_qwen3_tts import LANGUAGE, SPEAKER, TEXT
+            frames = math.ceil(args.seconds / QWEN3_TTS_FRAME_S - 1e-9)
+            extra = {"frames": frames}
+
+            def make(i):
+                return [{"text": TEXT, "language": LANGUAGE, "min_new_tokens": frames}], SPEAKER, \
+                    {"max_new_tokens": frames}
         else:
             n_tok = orpheus_tokens(args.seconds)
             voices = list(llm.engine.accepts.get("voices") or [None])
@@ -401,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mstar bench speech", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="kokoro-82m", help="a speech preset or checkpoint directory (kokoro-82m, "
-                                                         "orpheus-3b, tiny-kokoro, tiny-orpheus, DIR)")
+                                                         "orpheus-3b, qwen3-tts-1.7b, tiny-kokoro, tiny-orpheus, "
+                                                         "tiny-qwen3-tts, DIR)")
     p.add_argument("--random-weights", action="store_true", help="random weights of the preset's or directory's shape")
     p.add_argument("--codec", default=None, help="Orpheus: the SNAC directory or preset (default: found as the "
                                                  "server finds it)")
@@ -411,10 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Kokoro: phoneme symbols per second of speech in the request's string")
     p.add_argument("--waves", type=int, default=4, help="requests per point: max(waves * c, --min-requests)")
     p.add_argument("--min-requests", type=int, default=16, help="see --waves")
-    p.add_argument("--baseline", choices=["none", "kokoro", "hf"], default="none",
-                   help="the reference package in the same run (kokoro: KModel; hf: transformers generate + snac)")
+    p.add_argument("--baseline", choices=["none", "kokoro", "hf", "qwen-tts"], default="none",
+                   help="the reference package in the same run (kokoro: KModel; hf: transformers generate + snac; "
+                        "qwen-tts: the qwen-tts package's generate_custom_voice, mstar/bench/speech_qwen3_tts.py)")
+    p.add_argument("--qwen-tts-path", default=None,
+                   help="qwen-tts baseline: a directory with qwen_tts and the transformers it pins (pip install "
+                        "--no-deps --target DIR), put first on the baseline subprocess's path")
+    p.add_argument("--qwen-tts-python", default=None,
+                   help="qwen-tts baseline: the interpreter of its subprocess (default: this one)")
     p.add_argument("--baseline-concurrency", type=int, nargs="+", default=[1, 8],
-                   help="hf baseline: batch sizes (one generate() batch each)")
+                   help="hf and qwen-tts baselines: batch sizes (one generate() batch each)")
     p.add_argument("--baseline-requests", type=int, default=16, help="kokoro baseline: requests, one at a time")
     p.add_argument("--dtype", default="auto", help="auto (the engine's: bfloat16 on CUDA, float32 on CPU) | bfloat16 | "
                                                  "float16 | float32; the hf baseline takes bfloat16 for auto")
@@ -430,14 +454,19 @@ def main(argv=None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from mstar.models import registry
     family = registry.family_of(args.model).name
-    if family not in ("kokoro", "orpheus"):
+    if family not in ("kokoro", "orpheus", "qwen3_tts"):
         print(f"mstar bench speech: {args.model!r} is a {family} model, not a speech model", file=sys.stderr)
         return 2
-    if args.baseline == "hf" and family != "orpheus" or args.baseline == "kokoro" and family != "kokoro":
+    wants = {"hf": "orpheus", "kokoro": "kokoro", "qwen-tts": "qwen3_tts"}
+    if args.baseline in wants and wants[args.baseline] != family:
         print(f"mstar bench speech: --baseline {args.baseline} does not apply to {family}", file=sys.stderr)
         return 2
-    if args.baseline == "hf":
-        run_hf_baseline(args)
+    if args.baseline in ("hf", "qwen-tts"):
+        if args.baseline == "hf":
+            run_hf_baseline(args)
+        else:
+            from mstar.bench.speech_qwen3_tts import run_qwen_tts_baseline
+            run_qwen_tts_baseline(args)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     records = run_mstar(args, family)

@@ -169,7 +169,7 @@ def summarize(lat: list[float], stages: list[dict[str, float]], steps: list[tupl
     if steps:
         rows = [r for r, _ in steps]
         secs = [t for _, t in steps]
-        tflops = [r * flops_row / t / 1e12 for r, t in steps if t > 0]
+        tflops = [r * flops_row / t / 1e12 for r, t in steps if t > 0 and flops_row]
         rec.update(step_rows=max(set(rows), key=rows.count), step_ms_p50=round(1e3 * float(np.median(secs)), 2),
                    dit_tflops=float(f"{np.median(tflops):.4g}") if tflops else None)
         rec["dit_peak_fraction"] = round(rec["dit_tflops"] / peak, 3) if rec["dit_tflops"] and peak else None
@@ -224,8 +224,8 @@ def closed_loop(engine, clock: StageClock, make_inputs, c: int, n: int, tag: str
 def build_pipeline(args):
     from mstar.models import registry
     fam = registry.family_of(args.model)
-    if fam.name != "wan":
-        raise SystemExit(f"mstar bench video: {args.model!r} is a {fam.name} model, not a Wan model")
+    if fam.name not in ("wan", "cosmos3"):
+        raise SystemExit(f"mstar bench video: {args.model!r} is a {fam.name} model, not a Wan or Cosmos3 model")
     return fam.pipeline(args.model, dtype=args.torch_dtype, device=args.device, random_weights=args.random_weights,
                         seed=0, max_batch=max(args.concurrency))
 
@@ -253,7 +253,10 @@ def run_mstar(args, pipe) -> list[dict]:
     return records
 
 
-def _flops(args, pipe) -> float:
+def _flops(args, pipe) -> float | None:
+    """A Wan transformer row's forward FLOPs (None for other models: step times only)."""
+    if not hasattr(pipe, "text_encoder"):
+        return None
     w, h = (int(v) for v in args.size.split("x"))
     return dit_flops(pipe.transformer.config, args.frames or 1, h, w, pipe.text_encoder.max_sequence_length,
                      pipe.spatial, pipe.temporal)
@@ -363,8 +366,9 @@ def _record(args, engine: str, c: int, summary: dict) -> dict:
 def build_parser(kind: str = "video") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"mstar bench {kind}", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="wan2.2-ti2v-5b", help="a Wan preset (wan2.2-ti2v-5b, tiny-wan) or a "
-                                                             "diffusers pipeline directory")
+    p.add_argument("--model", default="wan2.2-ti2v-5b",
+                   help="a Wan or Cosmos3 preset (wan2.2-ti2v-5b, cosmos3-edge, tiny-wan, tiny-cosmos3) or a diffusers "
+                        "pipeline directory")
     p.add_argument("--random-weights", action="store_true", help="random weights of the preset's or directory's shape")
     p.add_argument("--size", default="832x480" if kind == "video" else "1280x704", help="WxH, one the model takes")
     p.add_argument("--frames", type=int, default=33 if kind == "video" else 0,
@@ -408,6 +412,9 @@ def main(argv=None, kind: str = "video") -> int:
     if f"{args.size}" not in pipe.sizes:
         print(f"mstar bench {kind}: {args.size} is not a size of {args.model} ({', '.join(pipe.sizes)})",
               file=sys.stderr)
+        return 2
+    if args.baseline == "diffusers" and hasattr(pipe, "prompter"):
+        print(f"mstar bench {kind}: the diffusers baseline is built for Wan only", file=sys.stderr)
         return 2
     base = run_diffusers(args, pipe) if args.baseline == "diffusers" else []
     if base and args.device.startswith("cuda"):

@@ -2,12 +2,14 @@
 
     python -m mstar.bench.tools.profile_speech --model kokoro-82m --batch 32      # one Kokoro forward of a batch
     python -m mstar.bench.tools.profile_speech --model orpheus-3b --batch 1       # Orpheus engine steps
+    python -m mstar.bench.tools.profile_speech --model qwen3-tts-1.7b --batch 32  # Qwen3-TTS engine steps
 
 Kokoro: --batch requests of --seconds of audio (durations pinned as mstar bench speech pins
 them) through the pipeline's stage, timed over --repeats forwards, then one profiled.
 Orpheus: --batch streams decode through the engine; after --warm-steps, --steps engine steps are
-timed (mean step, and the steps that ran the codec apart) and profiled. Each prints the top ops
-by device time and by host time.
+timed (mean step, and the steps that ran the codec apart) and profiled. Qwen3-TTS: the same over
+its stage, plus the frame alone (talker and code predictor) and the codec's decode of a chunk of
+every stream, each timed on its own. Each prints the top ops by device time and by host time.
 """
 
 from __future__ import annotations
@@ -93,15 +95,70 @@ def orpheus(args) -> None:
         eng.step()
 
 
+def _ms(fn, n: int) -> float:
+    _sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync()
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+def qwen3_tts(args) -> None:
+    frames = args.warm_steps + 2 * args.steps + 64
+    llm = LLM(args.model, random_weights=True, device=args.device, dtype=args.dtype, max_num_seqs=args.batch)
+    reqs = llm.speech_requests([{"text": B.ORPHEUS_TEXT, "min_new_tokens": frames}] * args.batch,
+                               max_new_tokens=frames, seed=list(range(args.batch)))
+    eng = llm.engine
+    for r in reqs:
+        eng.add_request(r)
+    for _ in range(args.warm_steps):
+        eng.step()
+    times, codec = [], []
+    for _ in range(args.steps):
+        _sync()
+        t = time.perf_counter()
+        outs = eng.step()
+        _sync()
+        times.append(time.perf_counter() - t)
+        codec.append(any(o.media for o in outs))
+    plain = [t for t, c in zip(times, codec) if not c]
+    with_codec = [t for t, c in zip(times, codec) if c]
+    synthesis = eng.stages[0].start.__self__
+    (batch,) = [b.state for b in eng._running[0]]
+    frame_ms = _ms(lambda: synthesis.generator.step(batch.gen), 10)
+    pool = synthesis.streamer.pool
+    chunk = synthesis.streamer.chunk_frames
+    slots = [pool.acquire() for _ in range(args.batch)]
+    codes = torch.zeros((args.batch, pool.decoder.config.num_quantizers, chunk), dtype=torch.long,
+                        device=pool.decoder.device)
+    codec_ms = _ms(lambda: pool.decode(slots, codes, [chunk] * args.batch), 5)
+    for sl in slots:
+        pool.release(sl)
+    print(f"qwen3-tts batch {args.batch}: step mean {1e3 * sum(times) / len(times):.2f} ms; without audio "
+          f"{1e3 * sum(plain) / max(1, len(plain)):.2f} ms ({len(plain)}), with audio "
+          f"{1e3 * sum(with_codec) / max(1, len(with_codec)):.2f} ms ({len(with_codec)}); the frame alone "
+          f"{frame_ms:.2f} ms; the codec's {chunk}-frame chunk of {args.batch} streams {codec_ms:.2f} ms "
+          f"(realtime needs a step under 80 ms)", flush=True)
+    with profile(activities=_activities()) as prof:
+        for _ in range(min(args.steps, 16)):
+            eng.step()
+        _sync()
+    _table(prof, args.rows)
+    eng.abort([r.request_id for r in reqs])
+    while eng.has_unfinished():
+        eng.step()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m mstar.bench.tools.profile_speech", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="kokoro-82m", help="a Kokoro or Orpheus preset (random weights)")
+    p.add_argument("--model", default="kokoro-82m", help="a Kokoro, Orpheus or Qwen3-TTS preset (random weights)")
     p.add_argument("--batch", type=int, default=32, help="requests batched together")
     p.add_argument("--seconds", type=float, default=10.0, help="Kokoro: audio seconds per request")
     p.add_argument("--repeats", type=int, default=5, help="Kokoro: timed forwards")
-    p.add_argument("--warm-steps", type=int, default=64, help="Orpheus: untimed engine steps first")
-    p.add_argument("--steps", type=int, default=70, help="Orpheus: timed engine steps (28 of them profiled)")
+    p.add_argument("--warm-steps", type=int, default=64, help="Orpheus, Qwen3-TTS: untimed engine steps first")
+    p.add_argument("--steps", type=int, default=70, help="Orpheus, Qwen3-TTS: timed engine steps (28 / 16 of them profiled)")
     p.add_argument("--rows", type=int, default=30, help="rows of the op tables")
     p.add_argument("--dtype", default="auto", help="the engine's dtype")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
@@ -111,7 +168,7 @@ def main(argv=None) -> None:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from mstar.models import registry
     family = registry.family_of(args.model).name
-    {"kokoro": kokoro, "orpheus": orpheus}[family](args)
+    {"kokoro": kokoro, "orpheus": orpheus, "qwen3_tts": qwen3_tts}[family](args)
 
 
 if __name__ == "__main__":
