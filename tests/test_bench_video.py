@@ -62,7 +62,7 @@ def test_images_and_refusals(tmp_path):
                   "--min-requests", "1", "--waves", "1", main=images.main)
     assert rec["bench"] == "images" and rec["frames"] == 1 and rec["requests"] == 1
     assert B.main(["--model", "tiny-wan", "--size", "30x30", "--device", "cpu", "--out", ""]) == 2
-    with pytest.raises(SystemExit, match="not a Wan model"):
+    with pytest.raises(SystemExit, match="not a Wan or Cosmos3 model"):
         B.main(["--model", "tiny-kokoro", "--device", "cpu", "--out", ""])
 
 
@@ -81,3 +81,18 @@ def test_profile_dit_groups_the_kernels(capsys):
     out = capsys.readouterr().out
     assert "ms a forward" in out and "TFLOP/s" in out
     assert "gemm" in out and "device time" in out
+
+
+def test_cosmos3_images_and_video_points(tmp_path):
+    """Cosmos3 runs through the same loop: step times, no TFLOP/s (the count is Wan's), and the
+    diffusers baseline (Wan's) refused."""
+    from mstar.bench import images
+    (img,) = _run(tmp_path, "--model", "tiny-cosmos3", "--size", "64x64", "--steps", "2", "--concurrency", "1",
+                  "--min-requests", "1", "--waves", "1", main=images.main)
+    assert img["frames"] == 1 and img["requests"] == 1 and img["step_ms_p50"] > 0 and img["dit_tflops"] is None
+    (tmp_path / "v").mkdir()
+    (vid,) = _run(tmp_path / "v", "--model", "tiny-cosmos3", "--size", "64x64", "--frames", "5", "--steps", "2",
+                  "--concurrency", "1", "--min-requests", "1", "--waves", "1")
+    assert vid["frames"] == 5 and vid["denoise_p50_s"] > 0 and vid["decode_p50_s"] > 0
+    assert B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--baseline", "diffusers", "--device", "cpu",
+                   "--out", ""]) == 2
