@@ -174,10 +174,11 @@ def test_preset_matches_transformers_count():
 def test_all_presets_resolve():
     for name in presets.names():
         cfg = resolve_config(name)
-        assert cfg.model_type in ("qwen3_5_text", "qwen3", "llama", "whisper", "kokoro", "wan")
+        assert cfg.model_type in ("qwen3_5_text", "qwen3", "llama", "whisper", "kokoro", "wan", "cosmos3",
+                                  "qwen3_tts")
         if name.startswith("qwen3.5"):
             assert cfg.vocab_size == 248320 and cfg.layer_types[3] == "full_attention"
-        elif name.startswith("qwen3-"):
+        elif cfg.model_type == "qwen3" and name.startswith("qwen3-"):
             assert cfg.vocab_size == 151936
 
 

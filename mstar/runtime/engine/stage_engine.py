@@ -80,7 +80,7 @@ class _Batch:
 
 
 # fields a family's refusal may name though the request left them out (their defaults were wrong for it)
-_NAMED_FIELDS = frozenset({"text", "voice", "instructions", "language", "max_new_tokens"})
+_NAMED_FIELDS = frozenset({"text", "voice", "instructions", "language", "max_new_tokens", "prompt", "size"})
 
 
 def _error_text(e: BaseException) -> str:
