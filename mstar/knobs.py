@@ -163,6 +163,12 @@ KNOBS: tuple[Knob, ...] = (
          "0: every step eager. Steps with per-token timesteps (image to video) always run eagerly. "
          "The same kernels either way, so the same outputs. Measured: notes/gpu-2026-12-03-video.md.",
          minimum=0),
+    Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
+         "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
+         "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "
+         "use; off: every frame eager (about a thousand kernel launches). The same inputs either way: "
+         "tests/test_qwen3_tts_talker.py checks the graphs' buffers and padding against the eager step. "
+         "Measured: notes/gpu-2026-12-04-qwen3-tts-graphs.md."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     Knob("MSTAR_MODEL_PLUGINS", "str", "",

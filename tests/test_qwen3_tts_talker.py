@@ -145,7 +145,7 @@ def test_code_predictor_logits_match_reference(ref, lm):
     cp = lm.talker.code_predictor
     cp.bind_cache(len(rows))
     x = torch.stack([r["inputs"] for r in rows])  # [B, G, talker hidden]
-    pre, steps = cp.contexts(len(rows))
+    pre, *steps = cp.steps(len(rows))
     with torch.inference_mode():
         h = cp(pre, x[:, :2].reshape(-1, x.shape[-1]))[1::2]
         got = [cp.logits(h, 1)]
@@ -245,3 +245,42 @@ def test_sampled_same_seed_batched_or_alone(builder, gen):
     assert not torch.equal(other, batched[0])
     codes = torch.cat(list(batched.values()))
     assert int(codes[:, 0].max()) < 1072 - 1024 and int(codes[:, 1:].max()) < 48
+
+
+def test_frame_graph_buffers_give_the_eager_codes(lm, builder, gen, monkeypatch):
+    """The frame graphs' fixed buffers and padding rows (mode "static": the graph's inputs, run
+    eagerly) give every row the eager step's codes and codebook-0 logits, through joins (3 rows
+    padded to 4) and leaves, with sampled, greedy and full-vocabulary rows in one batch."""
+    logits, plain = [], lm.talker.logits
+
+    def recording(hidden):
+        out = plain(hidden)
+        logits.append(out)
+        return out
+
+    monkeypatch.setattr(lm.talker, "logits", recording)
+
+    def run(g, *a, **kw):
+        logits.clear()
+        return _run(g, *a, **kw), list(logits)
+
+    graphed = TalkerGenerator(lm.talker, lm.config, max_rows=8, num_pages=64, page_size=4, graphs="static")
+    assert graphed.pool.num_pages == gen.pool.num_pages + 1 and graphed.frame_graphs.sizes == [1, 2, 4, 8]
+    reqs = _requests(CASES[0]) + _requests(CASES[2]) + _requests(CASES[1])
+    prompts = [builder.build(r) for r in reqs]
+    rng = np.random.default_rng()
+    seeds = rng.integers(0, 2**31, len(prompts)).tolist()
+    params = [GenerationParams(seed=s, max_new_tokens=int(rng.integers(4, 9)), min_new_tokens=2) for s in seeds]
+    params[1] = dataclasses.replace(params[1], do_sample=False)
+    params[2] = dataclasses.replace(params[2], top_k=0, subtalker_top_k=0)  # the full-vocabulary stage
+    join = (2, prompts[2:4], params[2:4], [2, 3])
+    uniform = [dataclasses.replace(params[0], seed=s) for s in seeds[:3]]
+    for ps, kw in ((params[:2], {"join": join}), (uniform, {})):
+        (want, want_logits), (got, got_logits) = (run(g, prompts[:len(ps)], ps, **kw) for g in (gen, graphed))
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        assert len(got_logits) == len(want_logits)
+        for a, b in zip(got_logits, want_logits):  # padded steps: the first rows are the batch's
+            assert _rel(a[:len(b)], b) < 1e-6
+    assert graphed.pool.free_pages == graphed.pool.num_pages - 1  # only the padding rows' page is held

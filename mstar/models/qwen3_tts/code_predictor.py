@@ -12,35 +12,67 @@ widths differ). The output at position j goes through lm_head[j - 1] and yields 
 frame is one forward of two positions, then G - 2 forwards of one. Its embedding tables are the
 talker's width: the sum of a frame's G embeddings is the talker's next input (Talker.frame_embeds).
 
-K/V: one page of G positions per batch row (row r uses page r), filled from position 0 each
-frame. The metadata of every sub-step depends only on the number of rows, so it is built once per
-batch size and reused: the G - 1 sub-steps of a frame have static shapes and no host work.
+K/V: every row keeps its own G positions ([max_rows, G, Hkv, D] per layer), written at the
+sub-step's positions and attended densely (ops.dense_attention): a frame's sub-steps have static
+shapes, static positions and no host work, so a frame can be captured in a CUDA graph
+(frame_graphs.py). The per-sub-step layout of B rows is built once per batch size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar import ops
 from mstar.models.base import DecoderLayer
-from mstar.models.context import AttentionMetadata, ForwardContext
 from mstar.models.layers import GatedMLP, Linear, QKNormAttention, RMSNorm, RotaryCache
 from mstar.models.qwen3_tts.config import CodePredictorConfig
 
 
+@dataclass(frozen=True)
+class RowStep:
+    """One predictor forward over B rows: `count` positions per row from `start` on (row-major
+    tokens), positions [B * count] on the device, the rows' query / key offsets on the host."""
+    rows: int
+    start: int
+    count: int
+    positions: torch.Tensor
+    q_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+
+
+class RowCacheAttention(QKNormAttention):
+    """The predictor's attention: row r's K/V in k_cache[r, :G], written at the step's static
+    positions, attended causally over positions 0 .. start + count - 1."""
+
+    def core(self, ctx: RowStep, pre: tuple[torch.Tensor, ...], rope: RotaryCache) -> torch.Tensor:
+        qkv, = pre
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = ops.qk_norm_rope(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
+                                   hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered, False)
+        B, j0, n = ctx.rows, ctx.start, ctx.count
+        self.k_cache[:B, j0:j0 + n] = k.view(B, n, hk, d)
+        self.v_cache[:B, j0:j0 + n] = v.view(B, n, hk, d)
+        L = j0 + n
+        keys = self.k_cache[:B, :L].reshape(B * L, hk, d)
+        values = self.v_cache[:B, :L].reshape(B * L, hk, d)
+        o = ops.dense_attention(q, keys, values, ctx.q_indptr, ctx.kv_indptr, self.scale, True)
+        return o.reshape(q.shape[0], hq * d)
+
+
 def decoder_layer(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float,
-                  bias: bool) -> DecoderLayer:
+                  bias: bool, attention: type[QKNormAttention] = QKNormAttention) -> DecoderLayer:
     """A Qwen3 decoder layer (checkpoint names self_attn.*, mlp.*, *_layernorm); the talker's too."""
-    attn = QKNormAttention(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, eps=eps,
-                           zero_centered_norm=False, output_gate=False, bias=bias)
+    attn = attention(hidden=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, eps=eps,
+                     zero_centered_norm=False, output_gate=False, bias=bias)
     return DecoderLayer("self_attn", attn, GatedMLP(hidden, intermediate), hidden, eps, zero_centered=False)
 
 
-def run_decoder(layers: nn.ModuleList, norm: RMSNorm, ctx: ForwardContext, h: torch.Tensor,
+def run_decoder(layers: nn.ModuleList, norm: RMSNorm, ctx, h: torch.Tensor,
                 rope: RotaryCache) -> torch.Tensor:
     """The pre-norm residual stream through `layers`, then the final norm: [T, hidden]."""
     residual = None
@@ -56,7 +88,8 @@ class PredictorModel(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(decoder_layer(c.hidden_size, c.intermediate_size, c.num_attention_heads,
                                                   c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
-                                                  c.attention_bias) for _ in range(c.num_hidden_layers))
+                                                  c.attention_bias, RowCacheAttention)
+                                    for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -74,7 +107,7 @@ class CodePredictor(nn.Module):
         self.small_to_mtp_projection = (Linear(talker_hidden, c.hidden_size, bias=True)
                                         if talker_hidden != c.hidden_size else None)
         self.rope = RotaryCache(G, c.head_dim, c.rope_theta)
-        self._contexts: dict[int, tuple[ForwardContext, list[ForwardContext]]] = {}
+        self._steps: dict[int, list[RowStep]] = {}
         self.max_rows = 0
 
     @property
@@ -89,44 +122,19 @@ class CodePredictor(nn.Module):
             a.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             a.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.max_rows = int(max_rows)
-        self._contexts.clear()
+        self._steps.clear()
 
-    def _build_contexts(self, B: int) -> tuple[ForwardContext, list[ForwardContext]]:
-        """The prefill context (positions 0, 1 of every row) and one decode context per later position."""
-        G, dev = self.num_code_groups, self.lm_heads.device
-        rows = np.arange(B, dtype=np.int64)
-        page = torch.from_numpy(rows.astype(np.int32)).to(dev)
-        ind = torch.from_numpy(np.arange(B + 1, dtype=np.int32))  # one page per row, on the host
-        none32, one0 = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-
-        def to_dev(x):
-            return torch.from_numpy(x).to(dev)
-
-        pos = np.tile(np.arange(2, dtype=np.int64), B)
-        pre = ForwardContext(input_ids=to_dev(pos), positions=to_dev(pos), num_decode_tokens=0, attn=AttentionMetadata(
-            slot_mapping=to_dev(np.repeat(rows * G, 2) + pos), decode_kv_indptr=one0,
-            decode_kv_indices=none32.to(dev), decode_kv_last_page_len=none32,
-            prefill_qo_indptr=torch.from_numpy(np.arange(B + 1, dtype=np.int32) * 2), prefill_kv_indptr=ind,
-            prefill_kv_indices=page, prefill_kv_last_page_len=torch.full((B,), 2, dtype=torch.int32)))
-        steps = []
-        for j in range(2, G):
-            pj = np.full(B, j, dtype=np.int64)
-            # each step its own indptr: attention backends key their plans on it, and the steps'
-            # plans differ (every row's key count grows by one a step)
-            steps.append(ForwardContext(input_ids=to_dev(pj), positions=to_dev(pj), num_decode_tokens=B,
-                                        attn=AttentionMetadata(
-                slot_mapping=to_dev(rows * G + j), decode_kv_indptr=ind.clone(), decode_kv_indices=page,
-                decode_kv_last_page_len=torch.full((B,), j + 1, dtype=torch.int32), prefill_qo_indptr=one0,
-                prefill_kv_indptr=one0, prefill_kv_indices=none32.to(dev), prefill_kv_last_page_len=none32)))
-        return pre, steps
-
-    def contexts(self, B: int) -> tuple[ForwardContext, list[ForwardContext]]:
-        """The (cached) step contexts of a frame of B rows."""
+    def steps(self, B: int) -> list[RowStep]:
+        """The (cached) forwards of a frame of B rows: positions 0 and 1, then one position each."""
         if B > self.max_rows:
             raise ValueError(f"qwen3-tts code predictor: {B} rows, the cache holds {self.max_rows} (bind_cache)")
-        if B not in self._contexts:
-            self._contexts[B] = self._build_contexts(B)
-        return self._contexts[B]
+        if B not in self._steps:
+            dev, G = self.lm_heads.device, self.num_code_groups
+            rows = torch.arange(B + 1, dtype=torch.int32)
+            self._steps[B] = [RowStep(B, j0, n, torch.arange(j0, j0 + n, device=dev).repeat(B), rows * n,
+                                      rows * (j0 + n))
+                              for j0, n in [(0, 2)] + [(j, 1) for j in range(2, G)]]
+        return self._steps[B]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.small_to_mtp_projection is None else self.small_to_mtp_projection(x)
@@ -137,7 +145,7 @@ class CodePredictor(nn.Module):
         offsets = torch.arange(codes.shape[1], device=codes.device) * V
         return F.embedding(codes + offsets, self.codec_embeddings.view(-1, self.codec_embeddings.shape[-1]))
 
-    def forward(self, ctx: ForwardContext, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, ctx: RowStep, x: torch.Tensor) -> torch.Tensor:
         return run_decoder(self.model.layers, self.model.norm, ctx, self.project(x), self.rope)
 
     def logits(self, hidden: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -150,7 +158,7 @@ class CodePredictor(nn.Module):
         and its talker embedding [B, Ht]; sample(logits [B, V] float32, codebook j) -> [B] draws
         codebook j."""
         B, G = hidden.shape[0], self.num_code_groups
-        pre, steps = self.contexts(B)
+        pre, *steps = self.steps(B)
         codes = torch.empty((B, G), dtype=torch.int64, device=hidden.device)
         codes[:, 0] = code0
         h = self(pre, torch.stack((hidden, code0_embed), 1).reshape(2 * B, -1))[1::2]

@@ -36,6 +36,7 @@ import torch
 
 from mstar.models.context import ForwardContext
 from mstar.models.qwen3_tts.config import SUPPRESSED_TAIL, Qwen3TTSConfig
+from mstar.models.qwen3_tts.frame_graphs import FixedSampler, FrameGraphs
 from mstar.models.qwen3_tts.prompt import TalkerPrompt
 from mstar.models.qwen3_tts.talker import KVPool, PageTable, Talker
 from mstar.ops import sampling
@@ -64,19 +65,11 @@ class GenerationParams:
         return cls(**{**{k: v for k, v in gc.items() if k in names}, **overrides})
 
 
-class _Sampler:
-    """One sampling site's per-row parameters on the device and its plan (made on the host)."""
-
-    def __init__(self, greedy: np.ndarray, temperature, top_k, top_p, vocab: int, device):
-        t = np.where(greedy, 0.0, np.asarray(temperature, dtype=np.float32)).astype(np.float32)
-        k, p = np.asarray(top_k, dtype=np.int64), np.asarray(top_p, dtype=np.float32)
-        mp = np.zeros_like(t)
-        # candidates = the vocabulary: every row is decided in one pass (no redo, so no host sync)
-        self.plan = sampling.make_plan(t, k, p, mp, vocab, candidates=vocab)
-        self.args = [torch.from_numpy(a).to(device) for a in (t, k, p, mp)]
-
-    def __call__(self, logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        return sampling.sample_planned(logits, *self.args, seeds, steps, 0, self.plan, token_logprobs=False)[0]
+def sampling_arrays(greedy: np.ndarray, temperature, top_k, top_p) -> list[np.ndarray]:
+    """One sampling site's per-row (temperature, top_k, top_p, min_p) as the device holds them
+    (greedy rows: temperature 0)."""
+    t = np.where(greedy, 0.0, np.asarray(temperature, dtype=np.float32)).astype(np.float32)
+    return [t, np.asarray(top_k, dtype=np.int64), np.asarray(top_p, dtype=np.float32), np.zeros_like(t)]
 
 
 @dataclass
@@ -111,6 +104,8 @@ class GenerationState:
     min_new: torch.Tensor
     talker_sampler: Any = None
     predictor_sampler: Any = None
+    sampling_host: tuple = ()  # the two samplers' sampling_arrays
+    version: int = 0  # bumped whenever the rows change (frame_graphs.py restages their constants)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,14 +113,26 @@ class GenerationState:
 
 class TalkerGenerator:
     """The generation core over one Talker: the K/V pool (num_pages pages of page_size tokens), the
-    code predictor's per-frame cache (max_rows rows), the token tables sampling needs."""
+    code predictor's per-frame cache (max_rows rows), the token tables sampling needs.
+
+    graphs: how a step runs its frame. "off": eagerly; "cuda": a CUDA graph per padded batch size
+    (frame_graphs.py; CUDA only); "static": the graphs' buffers and padding, eagerly (tests);
+    "auto": "cuda" on a CUDA device, else "off". The pool then keeps one more page, for the
+    padding rows."""
 
     def __init__(self, talker: Talker, config: Qwen3TTSConfig, *, max_rows: int = 64, num_pages: int = 4096,
-                 page_size: int = 16):
+                 page_size: int = 16, graphs: str = "off"):
         self.talker, self.config, self.tc = talker, config, config.talker
         self.device = talker.codec_head.weight.device
         self.G = self.tc.num_code_groups
-        self.pool = KVPool(talker, num_pages, page_size)
+        if graphs == "auto":
+            graphs = "cuda" if self.device.type == "cuda" else "off"
+        if graphs not in ("off", "cuda", "static"):
+            raise ValueError(f"qwen3-tts: graphs={graphs!r} (off | cuda | static | auto)")
+        if graphs == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"qwen3-tts: CUDA graphs on a {self.device.type} model")
+        self.pool = KVPool(talker, num_pages + (graphs != "off"), page_size)
+        self.pad_page = int(self.pool.take(1)[0]) if graphs != "off" else None
         talker.code_predictor.bind_cache(max_rows)
         self.max_rows = int(max_rows)
         V = self.tc.vocab_size
@@ -134,6 +141,7 @@ class TalkerGenerator:
         self.suppress[self.tc.codec_eos_token_id] = False
         with torch.inference_mode():
             self.tts_pad = talker.text_embeds(torch.tensor([config.tts_pad_token_id], device=self.device))
+            self.frame_graphs = FrameGraphs(self, graphs) if graphs != "off" else None
 
     # --- the public steps ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -176,6 +184,8 @@ class TalkerGenerator:
         B = len(state)
         col = (state.frame_idx - 1).clamp(max=state.text.shape[1] - 1)
         text = state.text[torch.arange(B, device=self.device), col]
+        if self.frame_graphs is not None:
+            return self._finish(state, self.frame_graphs.run(state, text), rows=slice(None))
         embeds = self.talker.frame_embeds(state.codes) + text
         positions, md = state.pages.advance()
         hidden = self.talker(ForwardContext(positions, positions, B, attn=md), embeds)
@@ -229,17 +239,24 @@ class TalkerGenerator:
 
     def _plan(self, st: GenerationState) -> None:
         """The two samplers of the rows' parameters (host plan, device tensors)."""
+        st.version += 1
         ps = st.params
         if not ps:
             st.talker_sampler = st.predictor_sampler = None
+            st.sampling_host = ()
             return
         col = {f: np.asarray([getattr(p, f) for p in ps]) for f in GenerationParams.__dataclass_fields__
                if f != "seed"}
-        st.talker_sampler = _Sampler(~col["do_sample"].astype(bool), col["temperature"], col["top_k"], col["top_p"],
-                                     self.tc.vocab_size, self.device)
-        st.predictor_sampler = _Sampler(~col["subtalker_dosample"].astype(bool), col["subtalker_temperature"],
-                                        col["subtalker_top_k"], col["subtalker_top_p"],
-                                        self.tc.code_predictor_config.vocab_size, self.device)
+        st.sampling_host = (
+            sampling_arrays(~col["do_sample"].astype(bool), col["temperature"], col["top_k"], col["top_p"]),
+            sampling_arrays(~col["subtalker_dosample"].astype(bool), col["subtalker_temperature"],
+                            col["subtalker_top_k"], col["subtalker_top_p"]))
+        samplers = []
+        for host, vocab in zip(st.sampling_host, (self.tc.vocab_size, self.tc.code_predictor_config.vocab_size)):
+            # candidates = the vocabulary: every row is decided in one pass (no redo, so no host sync)
+            plan = sampling.make_plan(*host, vocab, candidates=vocab)
+            samplers.append(FixedSampler(plan, [torch.from_numpy(a).to(self.device) for a in host]))
+        st.talker_sampler, st.predictor_sampler = samplers
 
     def _append(self, state: GenerationState, new: GenerationState, ids: list, params: list) -> None:
         state.ids += ids

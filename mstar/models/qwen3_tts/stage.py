@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from mstar import knobs
 from mstar.models import interfaces as I
 from mstar.models.qwen3_tts.codec import Qwen3TTSCodecDecoder
 from mstar.models.qwen3_tts.codec_streaming import CodecStreamer
@@ -84,7 +85,8 @@ class Qwen3TTSSynthesis:
         self.max_input_chars = int(max_input_chars)
         pages_per_row = -(-self.max_row_tokens // page_size)
         self.generator = TalkerGenerator(talker, config, max_rows=self.max_batch,
-                                         num_pages=self.max_batch * pages_per_row, page_size=page_size)
+                                         num_pages=self.max_batch * pages_per_row, page_size=page_size,
+                                         graphs="auto" if knobs.value("MSTAR_TTS_FRAME_GRAPHS") else "off")
         self.streamer = CodecStreamer(codec, initial_chunk_frames, chunk_frames, capacity=self.max_batch)
         self.sample_rate = int(codec.config.output_sample_rate)
         self.builder = PromptBuilder(config, tokenizer)

@@ -202,9 +202,10 @@ class PageTable:
             prefill_kv_indices=self._to_dev(pages, torch.int32), prefill_kv_last_page_len=_host(lengths - (n - 1) * ps))
         return self._to_dev(pos, torch.int64), md
 
-    def advance(self) -> tuple[torch.Tensor, AttentionMetadata]:
+    def advance(self, pad_to: int = 0, pad_page: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
         """One new token per row (pages taken where a row's last page is full): (positions [B], the
-        decode metadata of the step)."""
+        decode metadata of the step). pad_to > B: as many rows in all, the extra ones padding rows
+        (position 0 of page `pad_page`, one token)."""
         ps, B = self.pool.page_size, len(self)
         pos = self.lens.copy()
         need = pos // ps >= self.n_pages
@@ -214,11 +215,19 @@ class PageTable:
             self.table[rows, self.n_pages[rows]] = self.pool.take(len(rows))
             self.n_pages[rows] += 1
         self.lens += 1
+        slots, n_pages, indices = self._slots(np.arange(B), pos), self.n_pages, self._indices(slice(None))
+        last = self.lens - (self.n_pages - 1) * ps
+        pad = max(0, int(pad_to) - B)
+        if pad:
+            pos = np.concatenate([pos, np.zeros(pad, np.int64)])
+            slots = np.concatenate([slots, np.full(pad, pad_page * ps, np.int64)])
+            n_pages = np.concatenate([n_pages, np.ones(pad, np.int64)])
+            indices = np.concatenate([indices, np.full(pad, pad_page, np.int32)])
+            last = np.concatenate([last, np.ones(pad, np.int64)])
         md = AttentionMetadata(
-            slot_mapping=self._to_dev(self._slots(np.arange(B), pos), torch.int64),
-            decode_kv_indptr=_host(np.concatenate([[0], np.cumsum(self.n_pages)])),
-            decode_kv_indices=self._to_dev(self._indices(slice(None)), torch.int32),
-            decode_kv_last_page_len=_host(self.lens - (self.n_pages - 1) * ps),
+            slot_mapping=self._to_dev(slots, torch.int64),
+            decode_kv_indptr=_host(np.concatenate([[0], np.cumsum(n_pages)])),
+            decode_kv_indices=self._to_dev(indices, torch.int32), decode_kv_last_page_len=_host(last),
             prefill_qo_indptr=_host(np.zeros(1)), prefill_kv_indptr=_host(np.zeros(1)),
             prefill_kv_indices=self._to_dev(np.zeros(0), torch.int32), prefill_kv_last_page_len=_host(np.zeros(0)))
         return self._to_dev(pos, torch.int64), md
