@@ -12,6 +12,10 @@ plans), and a step replays it:
   2. the graph replays; the first B rows of its output are the frame's codes, and the updated
      repetition-penalty flags are copied back to the rows' state.
 
+New rows' first frame (after their prefill, which runs eagerly: its layout is the prompts') is
+the frame's head alone, sampling and code predictor from the prefill's last hidden states: a
+second graph per padded size ("head"), over the same buffers.
+
 Padding rows (b - B of them) decode at position 0 over a page of the pool kept for them, with
 row 0's sampling parameters (so a batch of one kind of request keeps one plan); their outputs
 are dropped. A step whose sampling plan indexes a subset of rows (mixed parameters that need
@@ -75,6 +79,7 @@ class FrameGraphs:
         i64 = dict(dtype=torch.int64, device=dev)
         self.codes_in = torch.zeros((b_max, gen.G), **i64)
         self.text = torch.zeros((b_max, tc.hidden_size), dtype=gen.tts_pad.dtype, device=dev)
+        self.hidden = torch.zeros((b_max, tc.hidden_size), dtype=gen.tts_pad.dtype, device=dev)
         self.positions = torch.zeros(b_max, **i64)
         self.slots = torch.zeros(b_max, **i64)
         self.seen = torch.zeros((b_max, tc.vocab_size), dtype=torch.bool, device=dev)
@@ -117,24 +122,41 @@ class FrameGraphs:
         """The rows' new frame [B, G] (a fresh tensor); `text` [B, H]: this step's text embeddings.
         Advances the rows' pages and updates state.seen, as the eager step does."""
         B = len(state)
-        b = self.bucket(B)
-        staged = self._staged
-        if staged is None or staged[0] is not state or staged[1:] != (state.version, b):
-            self._stage_rows(state, B, b)
+        b = self._stage(state, B)
         self.codes_in[:B].copy_(state.codes)
         self.text[:B].copy_(text)
-        self.seen[:B].copy_(state.seen)
-        self.frame_idx[:B].copy_(state.frame_idx)
         positions, md = state.pages.advance(pad_to=b, pad_page=self.gen.pad_page)
         self.positions[:b].copy_(positions)
         self.slots[:b].copy_(md.slot_mapping)
         self.plans[b].plan(md.decode_kv_indptr, md.decode_kv_indices, md.decode_kv_last_page_len)
+        return self._replay(state, B, b, "frame", self._forward)
+
+    def run_head(self, state, hidden: torch.Tensor) -> torch.Tensor:
+        """The frame's sampling and code predictor alone, from the talker's hidden states [B, H]
+        (new rows after their prefill: `state` holds their device part, its ids not yet set):
+        their first frame [B, G]; updates state.seen."""
+        B = hidden.shape[0]
+        b = self._stage(state, B)
+        self.hidden[:B].copy_(hidden)
+        return self._replay(state, B, b, "head", self._head)
+
+    def _stage(self, state, B: int) -> int:
+        """The rows' constants (when they changed) and penalty state into the buffers: the padded size."""
+        b = self.bucket(B)
+        staged = self._staged
+        if staged is None or staged[0] is not state or staged[1:] != (state.version, b):
+            self._stage_rows(state, B, b)
+        self.seen[:B].copy_(state.seen)
+        self.frame_idx[:B].copy_(state.frame_idx)
+        return b
+
+    def _replay(self, state, B: int, b: int, kind: str, fn) -> torch.Tensor:
         if self.mode == "static" or self._key is None:
-            out = self._forward(b)
+            out = fn(b)
         else:
-            got = self.graphs.get(self._key)
+            got = self.graphs.get((kind,) + self._key)
             if got is None:
-                got = self._capture(b)
+                got = self._capture(b, kind, fn)
                 self.seen[:B].copy_(state.seen)  # the capture's warm-up run marked this frame's codes
             got[0].replay()
             out = got[1]
@@ -172,7 +194,10 @@ class FrameGraphs:
         hidden = gen.talker(self.contexts[b], embeds)
         return gen._frame(self._inputs, hidden)
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _head(self, b: int) -> torch.Tensor:
+        return self.gen._frame(self._inputs, self.hidden[:b])
+
+    def _capture(self, b: int, kind: str, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One eager run on the capture stream (lazy inits, autotuning), then the capture."""
         t0 = time.perf_counter()
         dev = self.gen.device
@@ -182,15 +207,15 @@ class FrameGraphs:
         current = torch.cuda.current_stream(dev)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            self._forward(b)
+            fn(b)
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = self._forward(b)
-        got = self.graphs[self._key] = (graph, out)
+            out = fn(b)
+        got = self.graphs[(kind,) + self._key] = (graph, out)
         dt = time.perf_counter() - t0
         self.capture_s += dt
-        log.info("qwen3-tts frame graph: %d rows captured in %.2f s (%d graphs)", b, dt, len(self.graphs))
+        log.info("qwen3-tts %s graph: %d rows captured in %.2f s (%d graphs)", kind, b, dt, len(self.graphs))
         return got
 
 

@@ -172,7 +172,8 @@ class TalkerGenerator:
         embeds = self.talker.prompt_embeds(flat_text, flat_codec)
         hidden = self.talker(ForwardContext(positions, positions, 0, attn=md), embeds)
         last = torch.tensor(np.cumsum([len(p) for p in prompts]) - 1, device=dev)
-        codes = self._frame(new, hidden.index_select(0, last))
+        hidden = hidden.index_select(0, last)
+        codes = self._frame(new, hidden) if self.frame_graphs is None else self.frame_graphs.run_head(new, hidden)
         self._append(state, new, ids, params)
         return self._finish(state, codes, rows=slice(len(state) - k, None))
 
