@@ -158,7 +158,7 @@ KNOBS: tuple[Knob, ...] = (
          "(symm_mem_norm).",
          choices=("nccl", "symm_mem", "symm_mem_norm", "auto")),
     Knob("MSTAR_DIT_GRAPHS", "int", 4,
-         "Denoising transformers (Wan) replay each step as a CUDA graph, captured per batch shape on the shape's "
+         "Denoising transformers (Wan, Cosmos3) replay each step as a CUDA graph, captured per batch shape on the shape's "
          "second step (the first runs eagerly); this many shapes are kept, least recently used dropped. "
          "0: every step eager. Steps with per-token timesteps (image to video) always run eagerly. "
          "The same kernels either way, so the same outputs. Measured: notes/gpu-2026-12-03-video.md.",

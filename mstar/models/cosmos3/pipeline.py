@@ -14,7 +14,7 @@ request, without its per-step re-run of the understanding tower:
                            request's flow_shift); each step is one generation-tower forward over the
                            batch's rows (the cond rows, then with guidance the uncond rows: the same
                            latents after another prompt, at other positions), each reading its own
-                           prompt's cached K/V; guided per request in float32
+                           prompt's cached K/V (on CUDA a graph per batch shape: MSTAR_DIT_GRAPHS); guided per request in float32
                            (uncond + g * (cond - uncond), diffusers' order), then the scheduler step
     decode (one-shot)      denormalised latents (z * std + mean, in the VAE's dtype) through the Wan2.2
                            VAE decoder; pixels (v / 2 + 0.5).clamp(0, 1), float32, * 255 rounded to
@@ -46,8 +46,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.models import interfaces as I
 from mstar.models.cosmos3 import rope
+from mstar.models.shape_graphs import ShapeGraphs
 
 MAX_INPUT_CHARS = 4000
 MAX_STEPS = 200
@@ -104,6 +106,8 @@ class Cosmos3Pipeline(I.Pipeline):
                  video_defaults=("832x480", 50, 5.0), max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.prompter, self.scheduler = transformer, vae, prompter, scheduler
+        graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))  # a CUDA graph per batch shape, as Wan's
+        self.graphed = ShapeGraphs(transformer.generate_rows, max_graphs=max(graphs, 1), enabled=graphs > 0)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames, self.fps, self.flow_shift = int(max_frames), float(fps), float(flow_shift)
         self.defaults = {False: tuple(image_defaults), True: tuple(video_defaults)}  # by `video`
@@ -240,6 +244,8 @@ class Cosmos3Pipeline(I.Pipeline):
         state["rows"] = [j for j, _ in order]
         state["und"] = [items[j]["und"][b] for j, b in order]
         state["table"] = torch.cat([items[j]["tables"][b] for j, b in order])
+        state["idx"] = torch.tensor(state["rows"], dtype=torch.long).to(state["latents"].device)
+        state["kv"] = [t for u in state["und"] for t in (u.k, u.v)]
         return state
 
     def join(self, state: dict, reqs: list[I.MediaRequest]) -> dict:
@@ -267,7 +273,7 @@ class Cosmos3Pipeline(I.Pipeline):
         x = state["latents"]
         B = x.shape[0]
         t = torch.tensor([int(s.timestep) for s in state["scheds"]], dtype=torch.long, device=x.device)
-        out = self.transformer.generate(x, t, state["rows"], state["und"], state["table"])
+        out = self.graphed(x, t, state["idx"], state["table"], *state["kv"])
         new = []
         for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):
             v = out[k:k + 1].float()

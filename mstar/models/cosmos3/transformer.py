@@ -291,14 +291,24 @@ class Cosmos3Transformer(nn.Module):
             raise ValueError(f"cosmos3 generate: {R} rows need {R} prompts' K/V and a [{R * S}, "
                              f"{self.config.head_dim}] table, timesteps [{latents.shape[0]}]; got {len(und)}, "
                              f"{tuple(table.shape)}, {tuple(timesteps.shape)}")
+        idx = torch.tensor(rows, dtype=torch.long, device=latents.device)
+        return self.generate_rows(latents, timesteps, idx, table, *[t for u in und for t in (u.k, u.v)])
+
+    @torch.inference_mode()
+    def generate_rows(self, latents: torch.Tensor, timesteps: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+                      *kv: torch.Tensor) -> torch.Tensor:
+        """`generate` as a function of tensors alone (what a CUDA graph captures): rows [R] int64 on
+        the device; kv: row r's prompt keys and values [layers, L_r, kv_heads, head_dim] at 2r, 2r + 1."""
+        T, h, w = self.grid(latents)
+        S, R = T * h * w, rows.shape[0]
         dt = self.dtype
         x = self.proj_in(self.patchify(latents.to(dt))) + self.time_embedding(timesteps)[:, None]  # [B, S, hidden]
-        idx = torch.tensor(rows, dtype=torch.long, device=x.device)
-        x = x.index_select(0, idx).reshape(R * S, -1)
+        x = x.index_select(0, rows).reshape(R * S, -1)
+        ks, vs = kv[0::2], kv[1::2]
         q_indptr = _indptr([S] * R)
-        kv_indptr = _indptr([u.length + S for u in und])
+        kv_indptr = _indptr([k.shape[1] + S for k in ks])
         for i, layer in enumerate(self.layers):
-            x = layer.generate(x, table, [(u.k[i], u.v[i]) for u in und], q_indptr, kv_indptr)
+            x = layer.generate(x, table, [(k[i], v[i]) for k, v in zip(ks, vs)], q_indptr, kv_indptr)
         out = self.proj_out(self.norm_moe_gen(x))
         return self.unpatchify(out.view(R, S, -1), (T, h, w))
 
