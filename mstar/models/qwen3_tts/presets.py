@@ -3,7 +3,7 @@
 the model directory's config.json plus its codec, `speech_tokenizer` (speech_tokenizer/config.json).
 
     name                talker (hidden / layers / ffn, heads q / kv)   predictor        codec decoder
-    qwen3-tts-1.7b      2048 / 28 / 6144, 16 / 8, head_dim 128         1024 / 5, 2048   512 / 8, 114 M
+    qwen3-tts-1.7b      2048 / 28 / 6144, 16 / 8, head_dim 128         1024 / 5, 2048   512 / 8, 105.6 M
     qwen3-tts-0.6b      1024 / 28 / 3072, 16 / 8, head_dim 128         1024 / 5, 2048   the same
     tiny-qwen3-tts      64 / 2 / 128, 4 / 2, head_dim 16               32 / 2, 48       32 / 2
 
