@@ -2,8 +2,8 @@
 predictor's dense attention (bf16, head_dim 128) checked op by op against the reference under
 MSTAR_VERIFY, over a prefill and decode frames of a batch. The tolerance: bf16 rounding of
 attention outputs of unit scale, 3e-2; attending to a stale layout (fewer keys) moves outputs by
-~0.3. Then the frame CUDA graphs against their own buffers run eagerly (the same kernels: equal
-codes)."""
+~0.3. Then the frame CUDA graphs and the codec's chunk graphs against their own buffers and
+padding run eagerly (the same kernels: equal codes, equal samples)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from mstar import knobs, ops
+from mstar.models.qwen3_tts.codec_config import Qwen3TTSCodecConfig
+from mstar.models.qwen3_tts.codec_streaming import CodecStreamer
+from mstar.models.qwen3_tts.codec_weights import build_codec_decoder
 from mstar.models.qwen3_tts.config import Qwen3TTSConfig
 from mstar.models.qwen3_tts.generate import GenerationParams, TalkerGenerator
 from mstar.models.qwen3_tts.presets import TINY, byte_tokenizer
@@ -77,3 +80,34 @@ def test_frame_graphs_replay_the_eager_frame():
             assert {k[:2] for k in gen.frame_graphs.graphs} == {("frame", 4), ("head", 4)}
     for a, b in zip(got["cuda"], got["static"]):
         assert torch.equal(a, b)
+
+
+def test_codec_chunk_graphs_replay_the_padded_eager_chunks():
+    """Three streams of 4-frame then 8-frame chunks (rows padded to 4), one ending early: every
+    chunk's samples from the graphs equal the same padding run eagerly."""
+    decoder = build_codec_decoder(Qwen3TTSCodecConfig.from_dict(TINY["speech_tokenizer"]), torch.bfloat16, "cuda",
+                                  seed=int(torch.randint(1 << 30, ()).item()))
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))
+    q, size = decoder.config.num_quantizers, decoder.config.codebook_size
+    codes = {k: torch.randint(0, size, (q, n), generator=g).cuda() for k, n in (("a", 20), ("b", 28), ("c", 9))}
+    out = {}
+    for mode in ("static", "cuda"):
+        streamer = CodecStreamer(decoder, initial_chunk_frames=4, chunk_frames=8, graphs=mode)
+        for k in codes:
+            streamer.join(k)
+        chunks = {k: [] for k in codes}
+        fed = dict.fromkeys(codes, 0)
+        while streamer.streams:
+            for k, c in codes.items():
+                if k in streamer.streams and fed[k] < c.shape[1]:
+                    streamer.feed(k, c[:, fed[k]:fed[k] + 2])
+                    fed[k] += 2
+                    if fed[k] >= c.shape[1]:
+                        streamer.finish(k)
+            for chunk in streamer.step():
+                chunks[chunk.stream].append(chunk.audio)
+        out[mode] = {k: torch.cat(v) for k, v in chunks.items()}
+        if mode == "cuda":
+            assert streamer.pool._step.captures >= 2
+    for k in codes:
+        assert torch.equal(out["cuda"][k], out["static"][k]), k

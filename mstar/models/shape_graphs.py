@@ -5,15 +5,18 @@
                                                 # captures, later ones replay
 
 The function must depend only on its tensor arguments' values (no host reads of them, no
-data-dependent shapes) and must not mutate them. A call's output is cloned out of the graph's
-static buffer, so it stays valid after the next replay. Arguments on the CPU, or a disabled
-instance, run the function eagerly. At most `max_graphs` signatures are kept (least recently used
+data-dependent shapes) and must not mutate them. Arguments and the output may be tensors or
+lists / tuples of them (nested; the structure is part of the signature). A call's output is
+cloned out of the graph's static buffers, so it stays valid after the next replay. Arguments on
+the CPU, or a disabled instance, run the function eagerly. At most `max_graphs` signatures are kept (least recently used
 dropped, with their memory pool): continuous batching changes the batch size as requests join
 and leave, and every size is its own graph.
 
 The first call of a signature is eager because it warms the function's own caches (rotary tables,
 kernel autotuning, cuDNN plans) outside the capture, where allocations of persistent tensors would
-otherwise land in the graph's private pool.
+otherwise land in the graph's private pool. `capture_first=True` captures at once instead (after
+one eager run of its own on the capture stream): for functions without such caches whose shapes
+come and go (a codec's chunk of a varying set of streams).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import collections
 from typing import Callable
 
 import torch
+from torch.utils import _pytree as pytree
 
 
-def _signature(args: tuple[torch.Tensor, ...]) -> tuple:
-    return tuple((tuple(a.shape), a.dtype, a.device, a.stride()) for a in args)
+def _signature(leaves: list[torch.Tensor], spec) -> tuple:
+    return (str(spec),) + tuple((tuple(a.shape), a.dtype, a.device, a.stride()) for a in leaves)
 
 
 class _Captured:
@@ -36,43 +40,47 @@ class _Captured:
 
 
 class ShapeGraphs:
-    def __init__(self, fn: Callable[..., torch.Tensor], *, max_graphs: int = 4, enabled: bool = True):
+    def __init__(self, fn: Callable[..., torch.Tensor], *, max_graphs: int = 4, enabled: bool = True,
+                 capture_first: bool = False):
         self.fn = fn
         self.max_graphs = int(max_graphs)
         self.enabled = bool(enabled)
+        self.capture_first = bool(capture_first)
         self._graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
         self._seen: set[tuple] = set()
         self.captures = 0  # how many graphs were captured (tests and logs read it)
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or not args or args[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    def __call__(self, *args):
+        leaves, spec = pytree.tree_flatten(args)
+        if not self.enabled or not leaves or leaves[0].device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
-        key = _signature(args)
+        key = _signature(leaves, spec)
         got = self._graphs.get(key)
         if got is None:
-            if key not in self._seen:  # first sight: eager, warming the function's caches
+            if key not in self._seen and not self.capture_first:  # first sight: eager, warming the caches
                 self._seen.add(key)
                 return self.fn(*args)
-            got = self._capture(key, args)
+            got = self._capture(key, leaves, spec)
         else:
             self._graphs.move_to_end(key)
-        for dst, src in zip(got.inputs, args):
+        for dst, src in zip(got.inputs, leaves):
             dst.copy_(src, non_blocking=True)
         got.graph.replay()
-        return got.output.clone()
+        return pytree.tree_map(lambda t: t.clone(), got.output)
 
-    def _capture(self, key: tuple, args: tuple[torch.Tensor, ...]) -> _Captured:
+    def _capture(self, key: tuple, leaves: list[torch.Tensor], spec) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
-        inputs = tuple(a.clone() for a in args)
-        side = torch.cuda.Stream(device=args[0].device)
+        inputs = [a.clone() for a in leaves]
+        args = pytree.tree_unflatten(inputs, spec)
+        side = torch.cuda.Stream(device=leaves[0].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # one more eager run on the capture stream (lazy inits there)
-            self.fn(*inputs)
+            self.fn(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            output = self.fn(*inputs)
+            output = self.fn(*args)
         got = self._graphs[key] = _Captured(graph, inputs, output)
         self.captures += 1
         return got

@@ -7,7 +7,9 @@ with that state, decoding a stream chunk by chunk gives the audio of decoding it
 float rounding), whatever the chunk sizes: no left context is re-decoded and nothing is cut off.
 
     CodecStatePool   the states of up to `capacity` streams in slots (grown when full); `decode`
-                     runs one batched step for any rows: new frames of each, padded to the longest
+                     runs one batched step for any rows: new frames of each, padded to the longest;
+                     with graphs, rows are padded to 1, 2, 4 or a multiple of 8 and frames to the
+                     chunk sizes, and each such shape replays a CUDA graph of the decoder's step
     CodecStreamer    frames in per stream (`feed`), chunks out (`step`): a stream's first chunk
                      is `initial_chunk_frames` frames, later ones `chunk_frames`, its last one
                      what is left once it is `finish`ed; one step decodes the ready chunk of every
@@ -24,29 +26,50 @@ from typing import Hashable
 import torch
 
 from mstar.models.qwen3_tts.codec import Qwen3TTSCodecDecoder
+from mstar.models.shape_graphs import ShapeGraphs
+
+MAX_CODEC_GRAPHS = 8  # shapes kept (rows x frames), least recently used dropped
+
+
+def padded_rows(rows: int) -> int:
+    """1, 2, 4, then the next multiple of 8."""
+    return rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
 
 
 class CodecStatePool:
     """Decoder states in slots: `history[i]` [capacity, ...] is stateful layer i's history of
     every slot, `positions` [capacity] the frames each slot decoded. A slot is zeroed when it is
-    acquired (a new stream); the pool doubles when no slot is free."""
+    acquired (a new stream); the pool doubles when no slot is free.
 
-    def __init__(self, decoder: Qwen3TTSCodecDecoder, capacity: int = 4):
+    graphs: "off" (each call as it comes), "cuda" (padded shapes, each replayed from a CUDA graph
+    captured on its first use: ShapeGraphs; CUDA only), "static" (the same padding, eagerly: how
+    the CPU tests check it), "auto" ("cuda" on a CUDA decoder, else "off"). Padding rows decode
+    from slot 0, kept empty for them (never acquired, never written back)."""
+
+    def __init__(self, decoder: Qwen3TTSCodecDecoder, capacity: int = 4, graphs: str = "off"):
         self.decoder = decoder
+        if graphs == "auto":
+            graphs = "cuda" if decoder.device.type == "cuda" else "off"
+        if graphs not in ("off", "cuda", "static"):
+            raise ValueError(f"codec state pool: graphs={graphs!r} (off | cuda | static | auto)")
+        self.graphs = graphs
+        pad = graphs != "off"
         with torch.inference_mode():
-            self.history = decoder.empty_history(capacity)
-            self.positions = torch.zeros(capacity, dtype=torch.long, device=decoder.device)
-        self._free = list(range(capacity))
+            self.history = decoder.empty_history(capacity + pad)
+            self.positions = torch.zeros(capacity + pad, dtype=torch.long, device=decoder.device)
+        self._free = list(range(int(pad), capacity + pad))
+        self._step = ShapeGraphs(decoder.step, max_graphs=MAX_CODEC_GRAPHS, enabled=graphs == "cuda",
+                                 capture_first=True)
 
     @property
     def capacity(self) -> int:
-        return self.positions.shape[0]
+        return self.positions.shape[0] - (self.graphs != "off")
 
     @torch.inference_mode()
     def acquire(self) -> int:
         """A slot for a new stream, its state empty."""
         if not self._free:
-            cap = self.capacity
+            cap = self.positions.shape[0]
             self.history = [torch.cat([h, torch.zeros_like(h)]) for h in self.history]
             self.positions = torch.cat([self.positions, torch.zeros_like(self.positions)])
             self._free = list(range(cap, 2 * cap))
@@ -57,26 +80,38 @@ class CodecStatePool:
         return slot
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.capacity:
+        if slot in self._free or not (self.graphs != "off") <= slot < self.positions.shape[0]:
             raise ValueError(f"codec state pool: slot {slot} is not in use")
         self._free.append(slot)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int] | torch.Tensor, codes: torch.Tensor, lengths: list[int] | torch.Tensor
-               ) -> torch.Tensor:
+    def decode(self, slots: list[int] | torch.Tensor, codes: torch.Tensor, lengths: list[int] | torch.Tensor,
+               frames: int | None = None) -> torch.Tensor:
         """One step for R rows: slots [R] (distinct, acquired), codes [R, Q, n] whose row r has
         lengths[r] new frames first (the rest padding) -> audio [R, n * samples_per_frame] float32,
         row r's first lengths[r] * samples_per_frame samples its new audio. Each slot's state
-        moves on by its lengths[r] frames."""
+        moves on by its lengths[r] frames. frames (>= n): with graphs, the columns to pad to (the
+        audio then has frames * samples_per_frame samples a row)."""
         dev = self.decoder.device
         idx = torch.as_tensor(slots, dtype=torch.long).to(dev)
         lengths = torch.as_tensor(lengths, dtype=torch.long).to(dev)
+        R, n = codes.shape[0], codes.shape[-1]
+        rows, cols = R, n
+        if self.graphs != "off":
+            rows, cols = padded_rows(R), max(n, frames or n)
+            if (rows, cols) != (R, n):
+                full = torch.zeros((rows, codes.shape[1], cols), dtype=codes.dtype, device=dev)
+                full[:R, :, :n] = codes
+                codes = full
+                idx = torch.cat([idx, idx.new_zeros(rows - R)])  # padding rows: slot 0
+                lengths = torch.cat([lengths, lengths.new_full((rows - R,), cols)])
         history = [h.index_select(0, idx) for h in self.history]
-        audio, history = self.decoder.step(codes, lengths, self.positions.index_select(0, idx), history)
-        for pool, rows in zip(self.history, history):
-            pool.index_copy_(0, idx, rows)
-        self.positions.index_add_(0, idx, lengths)
-        return audio.float()
+        audio, history = self._step(codes, lengths, self.positions.index_select(0, idx), history)
+        real = idx[:R]
+        for pool, h in zip(self.history, history):
+            pool.index_copy_(0, real, h[:R])
+        self.positions.index_add_(0, real, lengths[:R])
+        return audio[:R].float()
 
 
 @dataclass
@@ -106,12 +141,12 @@ class CodecStreamer:
     hashable ids; frames come as codes [Q, k] (or [Q] for one frame)."""
 
     def __init__(self, decoder: Qwen3TTSCodecDecoder, initial_chunk_frames: int = 4, chunk_frames: int = 25,
-                 capacity: int = 4):
+                 capacity: int = 4, graphs: str = "off"):
         if initial_chunk_frames < 1 or chunk_frames < 1:
             raise ValueError("codec streamer: chunk sizes must be >= 1 frame")
         self.decoder = decoder
         self.initial_chunk_frames, self.chunk_frames = initial_chunk_frames, chunk_frames
-        self.pool = CodecStatePool(decoder, capacity)
+        self.pool = CodecStatePool(decoder, capacity, graphs)
         self._streams: dict[Hashable, _Stream] = {}
 
     @property
@@ -167,7 +202,9 @@ class CodecStreamer:
                                 device=self.decoder.device)  # the frames stay on the device: no host sync
             for r, k in enumerate(rows):
                 codes[r, :, :takes[k]] = self._take(self._streams[k], takes[k])
-            audio = self.pool.decode([self._streams[k].slot for k in rows], codes, [takes[k] for k in rows])
+            # padded to a chunk size (graphs: few shapes); a last, shorter chunk rounds up too
+            frames = min((f for f in (self.initial_chunk_frames, self.chunk_frames) if f >= n), default=n)
+            audio = self.pool.decode([self._streams[k].slot for k in rows], codes, [takes[k] for k in rows], frames)
         out, spf = [], self.decoder.samples_per_frame
         for k in ready:
             s = self._streams[k]

@@ -84,10 +84,12 @@ class Qwen3TTSSynthesis:
         self.max_row_tokens = int(max_row_tokens)
         self.max_input_chars = int(max_input_chars)
         pages_per_row = -(-self.max_row_tokens // page_size)
+        graphs = "auto" if knobs.value("MSTAR_TTS_FRAME_GRAPHS") else "off"
         self.generator = TalkerGenerator(talker, config, max_rows=self.max_batch,
                                          num_pages=self.max_batch * pages_per_row, page_size=page_size,
-                                         graphs="auto" if knobs.value("MSTAR_TTS_FRAME_GRAPHS") else "off")
-        self.streamer = CodecStreamer(codec, initial_chunk_frames, chunk_frames, capacity=self.max_batch)
+                                         graphs=graphs)
+        self.streamer = CodecStreamer(codec, initial_chunk_frames, chunk_frames, capacity=self.max_batch,
+                                      graphs=graphs)
         self.sample_rate = int(codec.config.output_sample_rate)
         self.builder = PromptBuilder(config, tokenizer)
         gc = dict(generation_config or {})
