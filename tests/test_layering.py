@@ -84,3 +84,15 @@ def test_runtime_code_names_no_family():
             if any(w in t.string.lower() for w in words) or parts & short:
                 bad.append(f"{path.relative_to(ROOT)}:{t.start[0]}: {t.string}")
     assert not bad, bad
+
+
+def test_http_front_end_and_engine_config_import_no_torch():
+    """The server's HTTP module, the presets and the engine's configuration import without torch
+    (the API process builds them; torch, the op layer and the families load where a model is)."""
+    import subprocess
+    import sys
+    code = ("import sys; import mstar.runtime.serving.api_server, mstar.models.presets, mstar.runtime.engine.config; "
+            "print(sorted(m for m in ('torch', 'mstar.ops', 'mstar.models.loader', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout

@@ -1,5 +1,4 @@
-"""mstar's models: Qwen3.5 (hybrid Gated DeltaNet / attention) and Qwen3 (dense) on
-mstar.ops, with the checkpoint loader, presets and tokenizers.
+"""mstar's models: the families on mstar.ops, with the checkpoint loader, presets and tokenizers.
 
     load_model(name_or_dir, dtype=..., device=..., random_weights=False, seed=0)
     load_tokenizer(name_or_dir)
@@ -7,9 +6,21 @@ mstar.ops, with the checkpoint loader, presets and tokenizers.
 
 The runtime talks to a model only through the API of `DecoderLM` (base.py) and the
 per-step contract of context.py. Models never import the runtime.
+
+The loader's names are imported on first use: `import mstar.models.presets` (what the API
+process and the engine's configuration read) does not pull in torch or the op layer.
 """
 
-from mstar.models.loader import WeightLoadError, build_model, load_model, load_tokenizer, resolve_config
 from mstar.models.presets import DEFAULT_MODEL
+
+_LOADER = ("load_model", "load_tokenizer", "resolve_config", "build_model", "WeightLoadError")
+
+
+def __getattr__(name: str):
+    if name in _LOADER:
+        from mstar.models import loader
+        return getattr(loader, name)
+    raise AttributeError(f"module 'mstar.models' has no attribute {name!r}")
+
 
 __all__ = ["load_model", "load_tokenizer", "resolve_config", "build_model", "WeightLoadError", "DEFAULT_MODEL"]

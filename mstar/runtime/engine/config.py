@@ -10,20 +10,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-import torch
+import sys
+from typing import TYPE_CHECKING
 
 from mstar import knobs
-from mstar.models.memory_plan import CACHE_FRACTION, default_snapshot_slots
 from mstar.models.presets import DEFAULT_MODEL
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch attribute names (this module imports torch only when it resolves one: the
+# server's API process builds an EngineConfig and starts the engine before it imports torch)
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def _is_torch_dtype(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.dtype)
 
 # CPU has no "free memory" figure worth trusting; caches get this many bytes by default.
 CPU_CACHE_BYTES = 1 << 30
 # Fraction of free device memory (after the model is loaded) given to caches on CUDA.
-CUDA_CACHE_FRACTION = CACHE_FRACTION
+
+
+def __getattr__(name: str):
+    if name == "CUDA_CACHE_FRACTION":  # the models' constant (memory_plan.py imports torch)
+        from mstar.models.memory_plan import CACHE_FRACTION
+        return CACHE_FRACTION
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -130,7 +145,7 @@ class EngineConfig:
             raise ValueError(f"num_snapshot_slots: must be >= 0, got {self.num_snapshot_slots!r}")
         if self.preemption_mode not in ("recompute", "offload"):
             raise ValueError(f"preemption_mode: must be 'recompute' or 'offload', got {self.preemption_mode!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES and not isinstance(self.dtype, torch.dtype):
+        if self.dtype != "auto" and self.dtype not in _DTYPES and not _is_torch_dtype(self.dtype):
             raise ValueError(f"dtype: must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str):
             raise ValueError(f"device: must be a string, got {self.device!r}")
@@ -139,17 +154,19 @@ class EngineConfig:
 
     # --- resolution ----------------------------------------------------------------------------
     def resolve_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device | None = None) -> torch.dtype:
+        import torch
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
             device = device or self.resolve_device()
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])
 
     def resolve_max_num_batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens is not None:
@@ -180,6 +197,9 @@ class CacheSizes:
 def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.device,
                 max_model_len: int) -> CacheSizes:
     """Pick page / slot counts from the config, the cache spec and the memory at hand."""
+    import torch
+
+    from mstar.models.memory_plan import CACHE_FRACTION, default_snapshot_slots
     page_size = cfg.resolve_page_size()
     has_state = len(spec.state) > 0
     has_attn = len(spec.attention) > 0
@@ -192,7 +212,7 @@ def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.devic
         budget = cfg.cache_memory_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * CUDA_CACHE_FRACTION)
+        budget = int(free * CACHE_FRACTION)
     else:
         budget = CPU_CACHE_BYTES
     budget -= num_slots * state_bytes
