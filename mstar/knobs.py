@@ -163,6 +163,12 @@ KNOBS: tuple[Knob, ...] = (
          "0: every step eager. Steps with per-token timesteps (image to video) always run eagerly. "
          "The same kernels either way, so the same outputs. Measured: notes/gpu-2026-12-03-video.md.",
          minimum=0),
+    Knob("MSTAR_DIT_COMPILE", "bool", False,
+         "Denoising transformers (Wan, Cosmos3) run their step through torch.compile (Inductor, static shapes: "
+         "one compile per batch shape, on its first step), which fuses the norms, rotary, gates and residual adds "
+         "between the matmuls and attention ops; the step graphs (MSTAR_DIT_GRAPHS) then capture the compiled "
+         "step. Off: the eager step (bit-identical outputs to a build without this knob). "
+         "tests/test_dit_compile.py checks the compiled step against the eager one."),
     Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
          "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
          "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "

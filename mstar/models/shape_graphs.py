@@ -22,10 +22,16 @@ come and go (a codec's chunk of a varying set of streams).
 from __future__ import annotations
 
 import collections
+import inspect
 from typing import Callable
 
 import torch
 from torch.utils import _pytree as pytree
+
+from mstar import knobs
+
+# Dynamo recompiles a denoiser per batch shape (dynamic=False); keep many shapes compiled
+_COMPILE_CACHE_LIMIT = 64
 
 
 def _signature(leaves: list[torch.Tensor], spec) -> tuple:
@@ -90,4 +96,31 @@ class ShapeGraphs:
         self._seen.clear()
 
 
-__all__ = ["ShapeGraphs"]
+def _undecorated(fn: Callable) -> Callable:
+    """fn (a module, a bound method or a function) without its decorators (Dynamo cannot trace
+    the inference_mode decorator the models' steps carry)."""
+    if isinstance(fn, torch.nn.Module):
+        return inspect.unwrap(type(fn).forward).__get__(fn)
+    if inspect.ismethod(fn):
+        return inspect.unwrap(fn.__func__).__get__(fn.__self__)
+    return inspect.unwrap(fn)
+
+
+def denoiser_step(fn: Callable[..., torch.Tensor]) -> ShapeGraphs:
+    """A denoising transformer's step as the diffusion pipelines run it: through torch.compile
+    (Inductor, static shapes: one compile per batch shape) when MSTAR_DIT_COMPILE is on, then a
+    CUDA graph per batch shape (MSTAR_DIT_GRAPHS)."""
+    if knobs.value("MSTAR_DIT_COMPILE"):
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _COMPILE_CACHE_LIMIT)
+        compiled = torch.compile(_undecorated(fn), dynamic=False)
+
+        def fn(*args):
+            with torch.inference_mode():  # what the step's own decorator did, outside the compiled code
+                return compiled(*args)
+    graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))
+    return ShapeGraphs(fn, max_graphs=max(graphs, 1), enabled=graphs > 0)
+
+
+__all__ = ["ShapeGraphs", "denoiser_step"]

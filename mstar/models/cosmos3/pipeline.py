@@ -46,10 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar import knobs
 from mstar.models import interfaces as I
 from mstar.models.cosmos3 import rope
-from mstar.models.shape_graphs import ShapeGraphs
+from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
 MAX_STEPS = 200
@@ -106,8 +105,7 @@ class Cosmos3Pipeline(I.Pipeline):
                  video_defaults=("832x480", 50, 5.0), max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.prompter, self.scheduler = transformer, vae, prompter, scheduler
-        graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))  # a CUDA graph per batch shape, as Wan's
-        self.graphed = ShapeGraphs(transformer.generate_rows, max_graphs=max(graphs, 1), enabled=graphs > 0)
+        self.graphed = denoiser_step(transformer.generate_rows)  # compiled / graphed per batch shape, as Wan's
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames, self.fps, self.flow_shift = int(max_frames), float(fps), float(flow_shift)
         self.defaults = {False: tuple(image_defaults), True: tuple(video_defaults)}  # by `video`

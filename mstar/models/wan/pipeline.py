@@ -53,9 +53,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar import knobs
 from mstar.models import interfaces as I
-from mstar.models.shape_graphs import ShapeGraphs
+from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
 MAX_STEPS = 200
@@ -131,8 +130,7 @@ class WanPipeline(I.Pipeline):
                  guidance_scale: float = 5.0, max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.text_encoder, self.scheduler = transformer, vae, text_encoder, scheduler
-        graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))
-        self.graphed_transformer = ShapeGraphs(transformer, max_graphs=max(graphs, 1), enabled=graphs > 0)
+        self.graphed_transformer = denoiser_step(transformer)
         self.expand_timesteps = bool(expand_timesteps)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames = int(max_frames)
