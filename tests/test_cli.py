@@ -44,7 +44,6 @@ def test_model_positional_or_flag():
     (["qwen3.5-0.8b"], "--random-weights"),
     (["--device", "cuda"], "no CUDA device is visible"),
     (["--device", "gpu7"], "is not a device"),
-    (["--tp", "3"], "tp: tensor parallel size 3 must divide"),
 ])
 def test_argument_mistakes_are_one_line_before_the_engine(argv, needle, no_engine, caplog):
     import torch
@@ -54,6 +53,33 @@ def test_argument_mistakes_are_one_line_before_the_engine(argv, needle, no_engin
         assert serve.main(argv) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and needle in errors[0] and "\n" not in errors[0], errors
+
+
+def test_config_mistakes_are_one_line_and_stop_the_engine(monkeypatch, caplog):
+    """A mistake only the model's config shows (--tp that does not divide its heads) is found while
+    the engine process starts: one line, and that engine is stopped."""
+    import mstar.runtime.engine.engine_process as ep
+    events = []
+
+    class FakeEngine:
+        def __init__(self, config, factory=None):
+            events.append("made")
+
+        def start(self):
+            events.append("started")
+
+        def kill(self):
+            events.append("killed")
+
+        def wait_ready(self, timeout=None):
+            raise AssertionError("the server waited for an engine it should have stopped")
+
+    monkeypatch.setattr(ep, "EngineProcess", FakeEngine)
+    with caplog.at_level(logging.ERROR, logger="mstar.serve"):
+        assert serve.main(["--tp", "3"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "tp: tensor parallel size 3 must divide" in errors[0], errors
+    assert events == ["made", "started", "killed"]
 
 
 def test_preset_with_random_weights_passes_the_checks():

@@ -96,3 +96,17 @@ def test_http_front_end_and_engine_config_import_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_api_process_path_imports_no_op_layer():
+    """What the server's API process runs before and beside the engine (the argument checks, the
+    tokenizer) imports neither the op layer (on CUDA: Triton, FlashInfer) nor the weight loader."""
+    import subprocess
+    import sys
+    code = ("import sys; from mstar.runtime.serving import preflight, serve; "
+            "preflight.check_serve('tiny-qwen3.5', False, 'cpu', 1); preflight.check_serve('tiny-orpheus', False, 'cpu', 1); "
+            "assert serve.load_tokenizer('tiny-qwen3.5') is not None; "
+            "print(sorted(m for m in ('mstar.ops', 'mstar.models.loader', 'mstar.models.base') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout

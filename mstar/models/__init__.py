@@ -13,13 +13,15 @@ process and the engine's configuration read) does not pull in torch or the op la
 
 from mstar.models.presets import DEFAULT_MODEL
 
-_LOADER = ("load_model", "load_tokenizer", "resolve_config", "build_model", "WeightLoadError")
+# name -> the module that defines it (the tokenizer and config readers need neither torch nor the ops)
+_LAZY = {"load_model": "loader", "build_model": "loader", "WeightLoadError": "loader",
+         "load_tokenizer": "tokenizer", "resolve_config": "registry"}
 
 
 def __getattr__(name: str):
-    if name in _LOADER:
-        from mstar.models import loader
-        return getattr(loader, name)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"mstar.models.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'mstar.models' has no attribute {name!r}")
 
 

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from mstar.models import parallel, presets, registry
+from mstar.models.registry import resolve_config
 from mstar.models.base import DecoderLM, WeightLoadError
 
 log = logging.getLogger("mstar.models")
@@ -24,22 +25,6 @@ log = logging.getLogger("mstar.models")
 def _read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
-
-
-def _config_from_dir(path: str):
-    raw = registry.read_config_json(path)
-    return registry.family_of_checkpoint(raw).config_from_dir(path, raw)
-
-
-def resolve_config(name_or_dir: str):
-    """The config (a transformers config object) of a directory or preset, read by its family."""
-    if os.path.isdir(name_or_dir):
-        return _config_from_dir(name_or_dir)
-    p = presets.get(name_or_dir)
-    if p is None:
-        raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset; presets: "
-                         f"{', '.join(presets.names())}")
-    return presets.make_config(p)
 
 
 def model_class(config) -> type:

@@ -182,3 +182,16 @@ def family_of(name_or_dir: str) -> Family:
 
 def family_of_config(config) -> Family:
     return family_of_model_type(getattr(config, "model_type", ""))
+
+
+def resolve_config(name_or_dir: str):
+    """The config (a transformers config object) of a directory or preset, read by its family."""
+    from mstar.models import presets
+    if os.path.isdir(name_or_dir):
+        raw = read_config_json(name_or_dir)
+        return family_of_checkpoint(raw).config_from_dir(name_or_dir, raw)
+    p = presets.get(name_or_dir)
+    if p is None:
+        raise ValueError(f"{name_or_dir!r} is neither a directory nor a preset; presets: "
+                         f"{', '.join(presets.names())}")
+    return presets.make_config(p)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
+from typing import TYPE_CHECKING
 
-from mstar.models.snac.streaming import codes_from_frames
+if TYPE_CHECKING:  # torch loads with the functions that need it: the family's declaration reads the constants
+    import torch
 
 CUSTOM_TOKEN_BASE = 128256  # <custom_token_0>
 AUDIO_TOKEN_BASE = 128266  # <custom_token_10>: code 0 of frame position 0
@@ -104,16 +105,15 @@ class AudioTokenStream:
         return None if self._window is None else list(self._window)
 
 
-_POSITION_OFFSET = torch.arange(WINDOW_TOKENS) % CODES_PER_FRAME * CODEBOOK_SIZE + AUDIO_TOKEN_BASE
-
-
 def window_codes(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Windows of audio token ids [B, 28] (each starting at a frame, as AudioTokenStream gives
     them) -> (frames [B, 4, 7] of codes, valid [B]). A window with a code outside [0, 4096) is
     not valid (it makes no audio); its codes are zeroed so that a batch holding it still decodes."""
     if token_ids.dim() != 2 or token_ids.shape[1] != WINDOW_TOKENS:
         raise ValueError(f"token_ids must be [B, {WINDOW_TOKENS}], got {tuple(token_ids.shape)}")
-    codes = token_ids.long() - _POSITION_OFFSET.to(token_ids.device)
+    import torch
+    offset = torch.arange(WINDOW_TOKENS, device=token_ids.device) % CODES_PER_FRAME * CODEBOOK_SIZE + AUDIO_TOKEN_BASE
+    codes = token_ids.long() - offset
     ok = (codes >= 0) & (codes < CODEBOOK_SIZE)
     valid = ok.all(dim=1)
     codes = torch.where(valid[:, None], codes, torch.zeros_like(codes))
@@ -122,5 +122,6 @@ def window_codes(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def window_codebooks(token_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Windows of audio token ids [B, 28] -> ([codebook 0 [B, 4], 1 [B, 8], 2 [B, 16]], valid [B])."""
+    from mstar.models.snac.streaming import codes_from_frames
     frames, valid = window_codes(token_ids)
     return codes_from_frames(frames), valid

@@ -69,15 +69,30 @@ def _family(config: Any):
         return None
 
 
+def _process_age() -> float | None:
+    """Seconds since this process was started (Linux: /proc/self/stat), else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def default_engine(config: Any):
     """The engine of the model's family: a family with a stage pipeline (not autoregressive) runs
     on the stage engine, every other on EngineCore."""
+    t0 = time.perf_counter()
     family = _family(config)
     if family is not None and getattr(family, "pipeline", None) is not None:
-        from mstar.runtime.engine.stage_engine import StageEngine
-        return StageEngine(config, family=family)
-    from mstar.runtime.engine.engine_core import EngineCore
-    return EngineCore(config)
+        from mstar.runtime.engine.stage_engine import StageEngine as engine_class
+        kw = {"family": family}
+    else:
+        from mstar.runtime.engine.engine_core import EngineCore as engine_class
+        kw = {}
+    # torch, the op layer and its backends (Triton, FlashInfer on CUDA), the model families
+    logger.info("engine process: modules imported in %.1f s", time.perf_counter() - t0)
+    return engine_class(config, **kw)
 
 
 def _load_factory(path: str | None) -> Callable[[Any], Any]:
@@ -164,6 +179,9 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a stuck engine is
+    age = _process_age()
+    if age is not None:
+        logger.info("engine process: up %.1f s after it was started (interpreter start-up, spawn)", age)
     try:
         from mstar.runtime.engine.request import RequestError
         engine = _load_factory(factory_path)(config)

@@ -1,7 +1,13 @@
-"""Argument mistakes found before an engine starts: each is one line naming the flag, given in
-about a second, instead of a traceback from the engine process after the model began to load.
+"""Argument mistakes found by the API process: each is one line naming the flag, given in about a
+second, instead of a traceback from the engine process after the model began to load.
 
-    check_serve(model, random_weights, device, tp)   ValueError with the line, or None
+    check_name(model, random_weights), check_device(device, tp)
+                                    before the engine starts (no model config read)
+    check_tp(check_model(model, random_weights), tp)
+                                    reads the config (transformers): the server runs it while the engine
+                                    process starts, and stops the engine on a mistake
+    check_serve(model, random_weights, device, tp)   all of them
+Each raises ValueError with the line.
 """
 
 from __future__ import annotations
@@ -9,11 +15,10 @@ from __future__ import annotations
 import os
 
 
-def check_model(model: str, random_weights: bool):
-    """The model's config; ValueError when `model` is neither a directory nor a preset, or a
-    preset that needs --random-weights."""
+def check_name(model: str, random_weights: bool) -> None:
+    """ValueError when `model` is neither a directory nor a preset, or a preset that needs
+    --random-weights."""
     from mstar.models import presets
-    from mstar.models.loader import resolve_config
     if not os.path.isdir(model):
         p = presets.get(model)
         if p is None:
@@ -23,6 +28,12 @@ def check_model(model: str, random_weights: bool):
         if not p.embedded and not random_weights:
             raise ValueError(f"model: the preset {model!r} has no weights here; pass its checkpoint directory, "
                              "or --random-weights to benchmark its shapes with random weights")
+
+
+def check_model(model: str, random_weights: bool):
+    """The model's config (check_name first); ValueError when it cannot be read."""
+    from mstar.models.registry import resolve_config
+    check_name(model, random_weights)
     try:
         return resolve_config(model)
     except Exception as e:  # noqa: BLE001 -- a directory without a readable config.json, and the like

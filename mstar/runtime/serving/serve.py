@@ -292,10 +292,11 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     except ImportError as e:
         logger.error("the HTTP server cannot start: %s (pip install fastapi uvicorn python-multipart)", e)
         return 1
+    from mstar.runtime.serving import preflight
     try:
         if args.engine_factory is None:  # a custom engine decides for itself what a model is
-            from mstar.runtime.serving.preflight import check_serve
-            check_serve(args.model, args.random_weights, args.device, args.tp)
+            preflight.check_name(args.model, args.random_weights)
+            preflight.check_device(args.device, args.tp)
         key = api_key(args)
         config = engine_config(args)
     except ValueError as e:
@@ -309,8 +310,16 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
             logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
             return 1
     engine = EngineProcess(config, factory=args.engine_factory)
+    logger.info("starting the engine process (%.1f s after launch)", time.monotonic() - t0)
     try:
         engine.start()
+        if args.engine_factory is None:  # the checks that read the model's config, beside the engine's start
+            try:
+                preflight.check_tp(preflight.check_model(args.model, args.random_weights), args.tp)
+            except ValueError as e:
+                logger.error("bad option: %s", e)
+                engine.kill()
+                return 2
         tokenizer = load_tokenizer(args.model)
         if args.chat_template and tokenizer is not None:
             t = args.chat_template
