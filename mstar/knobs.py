@@ -172,10 +172,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
          "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
          "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "
-         "use, and each codec chunk (streams padded the same way, frames to a chunk size) from a graph per shape; "
-         "off: every frame and chunk eager (a frame is about a thousand kernel launches). The same inputs either "
-         "way: tests/test_qwen3_tts_talker.py and tests/test_qwen3_tts_codec.py check the graphs' buffers and "
-         "padding against the eager path. Measured: notes/gpu-2026-12-04-qwen3-tts-graphs.md."),
+         "use; off: every frame eager (about a thousand kernel launches). The same inputs either way: "
+         "tests/test_qwen3_tts_talker.py checks the graphs' buffers and padding against the eager step. "
+         "Measured: notes/gpu-2026-12-04-qwen3-tts-graphs.md."),
+    Knob("MSTAR_TTS_CODEC_GRAPHS", "bool", False,
+         "Qwen3-TTS on CUDA replays each codec chunk from a CUDA graph per shape: the chunk's streams padded to "
+         "1, 2, 4 or a multiple of 8 (padding rows decode from an empty state slot), its frames to a chunk size. "
+         "Each stream's samples are the eager chunk's within float rounding (a padded batch may run other "
+         "kernels; tests/test_qwen3_tts_codec.py checks the padding on CPU). Off by default until a GPU run measures it (the eager chunk takes 21-28 ms: "
+         "notes/gpu-2026-12-04-qwen3-tts-graphs.md)."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     Knob("MSTAR_MODEL_PLUGINS", "str", "",

@@ -247,3 +247,13 @@ def test_snake_beta_op():
     torch.testing.assert_close(snake_beta(x, log_alpha, log_beta), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError):
         snake_beta(x, log_alpha[:5], log_beta)
+
+
+def test_codec_graphs_are_opt_in(release):
+    """By default (and off CUDA) the pool decodes each chunk as it comes: no padding slot."""
+    from mstar import knobs
+    decoder = release[0]
+    assert CodecStreamer(decoder).pool.graphs == "off" and not knobs.value("MSTAR_TTS_CODEC_GRAPHS")
+    assert CodecStatePool(decoder, graphs="auto").graphs == "off"  # "auto" off CUDA
+    pool = CodecStatePool(decoder, capacity=3)
+    assert pool.capacity == pool.positions.shape[0] == 3 and [pool.acquire() for _ in range(3)] == [0, 1, 2]

@@ -89,7 +89,7 @@ class Qwen3TTSSynthesis:
                                          num_pages=self.max_batch * pages_per_row, page_size=page_size,
                                          graphs=graphs)
         self.streamer = CodecStreamer(codec, initial_chunk_frames, chunk_frames, capacity=self.max_batch,
-                                      graphs=graphs)
+                                      graphs="auto" if knobs.value("MSTAR_TTS_CODEC_GRAPHS") else "off")
         self.sample_rate = int(codec.config.output_sample_rate)
         self.builder = PromptBuilder(config, tokenizer)
         gc = dict(generation_config or {})
