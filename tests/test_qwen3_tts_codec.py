@@ -219,8 +219,9 @@ def test_receptive_field_is_the_left_context_a_stateless_decode_needs(release):
     codes, spf = _codes(g, 1, Q, rf + 8), decoder.samples_per_frame
     tail = decoder(codes)[0, -3 * spf:]
     assert _max_diff(decoder(codes[..., -3 - rf:])[0, -3 * spf:], tail) < TOL, SEED
-    # less than the frame-rate part (input conv and attention: 10 frames) changes the audio
-    assert _max_diff(decoder(codes[..., -3 - 8:])[0, -3 * spf:], tail) > 1e-4, SEED
+    # less than the frame-rate part (input conv and attention: 10 frames) changes the audio, by far
+    # more than float rounding (< TOL above; seen 9e-5 and up over fresh seeds)
+    assert _max_diff(decoder(codes[..., -3 - 8:])[0, -3 * spf:], tail) > 3 * TOL, SEED
 
 
 def test_published_config():
