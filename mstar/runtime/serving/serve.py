@@ -70,8 +70,9 @@ def build_parser(prog: str = "python -m mstar.runtime.serve") -> argparse.Argume
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help="A model directory (HF layout: config.json, *.safetensors, tokenizer files; Kokoro's "
-                        "release layout; a diffusers pipeline directory with model_index.json for Wan) or a "
-                        "preset name (e.g. tiny-qwen3.5, qwen3.5-0.8b, kokoro-82m, wan2.2-ti2v-5b); default: "
+                        "release layout; Qwen3-TTS's release directory with its speech_tokenizer/; a diffusers "
+                        "pipeline directory with model_index.json for Wan and Cosmos3) or a preset name (e.g. "
+                        "tiny-qwen3.5, qwen3.5-0.8b, kokoro-82m, qwen3-tts-1.7b, wan2.2-ti2v-5b, cosmos3-edge); default: "
                         "tiny-qwen3.5. Presets without local weights need --random-weights (the tiny ones are "
                         "built in).")
     m.add_argument("--random-weights", action="store_true",
