@@ -96,3 +96,39 @@ def test_cosmos3_images_and_video_points(tmp_path):
     assert vid["frames"] == 5 and vid["denoise_p50_s"] > 0 and vid["decode_p50_s"] > 0
     assert B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--baseline", "diffusers", "--device", "cpu",
                    "--out", ""]) == 2
+
+
+def test_stage_clock_follows_requests_through_join_and_leave():
+    """A continuous loop whose join and leave hand back new state objects (Cosmos3's do): the
+    clock keeps each request's denoise time and each step's rows, and forgets a batch once its
+    last request left."""
+    import types
+
+    from mstar.models import interfaces as I
+
+    def start(reqs):
+        return {"rows": [r.request_id for r in reqs]}
+
+    def join(state, reqs):
+        return {"rows": state["rows"] + [r.request_id for r in reqs]}
+
+    def leave(state, rows):
+        return {"rows": [r for j, r in enumerate(state["rows"]) if j not in rows]}, [[] for _ in rows]
+
+    loop = I.FixedStepLoopStage(start=start, step=lambda state, i: None, finish=lambda state: [],
+                                num_steps=lambda state: 3, join=join, leave=leave)
+    one_shot = I.OneShotStage(run=lambda reqs: [[] for _ in reqs])
+    pipe = types.SimpleNamespace(stages=[one_shot, loop, one_shot])
+    clock = B.StageClock(pipe, cuda=False)
+    enc, loop, dec = pipe.stages
+    reqs = [I.MediaRequest(f"r{i}", {}) for i in range(3)]
+    state = loop.start(reqs[:1])
+    loop.step(state, 0)
+    state = loop.join(state, reqs[1:])
+    loop.step(state, 1)
+    state, _ = loop.leave(state, [0, 2])
+    loop.step(state, 2)
+    state, _ = loop.leave(state, [0])
+    assert [rows for rows, _ in clock.take_steps()] == [1, 3, 1]
+    assert {k: len(v["denoise"]) for k, v in clock.spans.items()} == {"r0": 3, "r1": 3, "r2": 2}  # start / join + steps
+    assert clock._batch == {}

@@ -101,9 +101,10 @@ class StageClock:
         self.steps: list[tuple[int, Span]] = []  # (transformer rows, span) of every denoise step
         self._batch: dict[int, list[str]] = {}  # id(loop state) -> its requests
         enc, loop, dec = pipe.stages
+        continuous = {} if not loop.continuous else {"join": self._join(loop.join), "leave": self._leave(loop.leave)}
         pipe.stages = [dataclasses.replace(enc, run=self._one_shot("encode", enc.run)),
                        dataclasses.replace(loop, start=self._start(loop.start), step=self._step(loop.step),
-                                           finish=self._finish(loop.finish)),
+                                           finish=self._finish(loop.finish), **continuous),
                        dataclasses.replace(dec, run=self._one_shot("decode", dec.run))]
 
     def _add(self, rids, stage: str, span: Span) -> None:
@@ -127,6 +128,27 @@ class StageClock:
             self._add(rids, "denoise", s.stop())
             return state
         return start
+
+    # a continuous loop's join / leave may hand back another state object: its requests move with it
+    def _join(self, fn):
+        def join(state, reqs):
+            s = Span(self.cuda)
+            out = fn(state, reqs)
+            new = [r.request_id for r in reqs]
+            self._batch[id(out)] = self._batch.pop(id(state)) + new
+            self._add(new, "denoise", s.stop())
+            return out
+        return join
+
+    def _leave(self, fn):
+        def leave(state, rows):
+            out, outputs = fn(state, rows)
+            gone = set(rows)
+            kept = [r for j, r in enumerate(self._batch.pop(id(state))) if j not in gone]
+            if kept:
+                self._batch[id(out)] = kept
+            return out, outputs
+        return leave
 
     def _step(self, fn):
         def step(state, i):
