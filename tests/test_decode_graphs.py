@@ -12,7 +12,7 @@ import torch
 
 from engine_helpers import NoHostSync, assert_no_leaks, engine, greedy_requests, hf_greedy, prompts, run_all
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture
-from mstar.runtime.graphs.cuda_graphs import capture_sizes
+from mstar.models.shape_graphs import padded_sizes as capture_sizes
 from mstar.runtime.engine.request import EngineRequest, SamplingParams
 
 KINDS = ["qwen3.5", "qwen3"]
@@ -24,6 +24,15 @@ def test_capture_sizes():
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(256)[-3:] == [240, 248, 256]
     assert capture_sizes(256)[:5] == [1, 2, 4, 8, 16]
+
+
+def test_padded_batch_is_the_smallest_padded_size_that_fits():
+    from mstar.models.shape_graphs import padded_batch
+    for top in (1, 2, 5, 20, 33, 64):
+        sizes = capture_sizes(top)
+        assert [padded_batch(r, top) for r in range(1, top + 1)] == [min(s for s in sizes if s >= r)
+                                                                     for r in range(1, top + 1)]
+    assert padded_batch(3) == 4 and padded_batch(9) == 16 and padded_batch(2) == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -12,7 +12,7 @@ import torch
 from mstar import knobs, ops
 from mstar.ops import sampling
 from mstar.ops.sampling import uniform_noise
-from mstar.runtime.graphs.cuda_graphs import capture_after_first_use
+from mstar.models.shape_graphs import capture_after_first_use
 from test_ops_sampling import _assert_same, _exact_tie, _pick
 
 pytestmark = pytest.mark.gpu

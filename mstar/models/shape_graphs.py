@@ -8,9 +8,13 @@ The function must depend only on its tensor arguments' values (no host reads of 
 data-dependent shapes) and must not mutate them. Arguments and the output may be tensors or
 lists / tuples of them (nested; the structure is part of the signature). A call's output is
 cloned out of the graph's static buffers, so it stays valid after the next replay. Arguments on
-the CPU, or a disabled instance, run the function eagerly. At most `max_graphs` signatures are kept (least recently used
-dropped, with their memory pool): continuous batching changes the batch size as requests join
-and leave, and every size is its own graph.
+the CPU, or a disabled instance, run the function eagerly. At most `max_graphs` signatures are
+kept (least recently used dropped, with their memory pool): continuous batching changes the
+batch size as requests join and leave, and every size is its own graph.
+
+Also here, for every graph runner (the runtime's decode and prefill graphs, the Qwen3-TTS frame
+and codec graphs): `capture_after_first_use` and the padded batch sizes (`padded_sizes`,
+`padded_batch`).
 
 The first call of a signature is eager because it warms the function's own caches (rotary tables,
 kernel autotuning, cuDNN plans) outside the capture, where allocations of persistent tensors would
@@ -32,6 +36,36 @@ from mstar import knobs
 
 # Dynamo recompiles a denoiser per batch shape (dynamic=False); keep many shapes compiled
 _COMPILE_CACHE_LIMIT = 64
+
+
+def capture_after_first_use(fn, stream: torch.cuda.Stream, pool=None, on_stream: bool = True):
+    """(graph, fn's output in the graph): fn runs once on `stream` first (compiles, autotuning,
+    library handles: never inside a capture), then is captured into a new graph, on the same
+    stream (on_stream) or on torch.cuda.graph's own capture stream, in `pool` when given."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn()
+    current.wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream if on_stream else None):
+        out = fn()
+    return g, out
+
+
+def padded_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+def padded_batch(rows: int, max_batch: int | None = None) -> int:
+    """The padded size `rows` runs at: 1, 2, 4, the next multiple of 8, or max_batch when that is
+    smaller (padded_sizes(max_batch) holds every answer)."""
+    b = rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+    return b if max_batch is None else min(b, max_batch)
 
 
 def _signature(leaves: list[torch.Tensor], spec) -> tuple:
@@ -79,14 +113,9 @@ class ShapeGraphs:
             self._graphs.popitem(last=False)
         inputs = [a.clone() for a in leaves]
         args = pytree.tree_unflatten(inputs, spec)
-        side = torch.cuda.Stream(device=leaves[0].device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # one more eager run on the capture stream (lazy inits there)
-            self.fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = self.fn(*args)
+        # one more eager run on a side stream (lazy inits there), then the capture in its own pool
+        graph, output = capture_after_first_use(lambda: self.fn(*args), torch.cuda.Stream(device=leaves[0].device),
+                                                on_stream=False)
         got = self._graphs[key] = _Captured(graph, inputs, output)
         self.captures += 1
         return got
@@ -123,4 +152,4 @@ def denoiser_step(fn: Callable[..., torch.Tensor]) -> ShapeGraphs:
     return ShapeGraphs(fn, max_graphs=max(graphs, 1), enabled=graphs > 0)
 
 
-__all__ = ["ShapeGraphs", "denoiser_step"]
+__all__ = ["ShapeGraphs", "denoiser_step", "capture_after_first_use", "padded_sizes", "padded_batch"]

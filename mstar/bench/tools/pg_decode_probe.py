@@ -65,7 +65,7 @@ import os
 import torch
 
 from mstar.runtime.engine.config import EngineConfig
-from mstar.runtime.graphs.cuda_graphs import capture_after_first_use
+from mstar.models.shape_graphs import capture_after_first_use
 from mstar.runtime.engine.engine_core import EngineCore
 from mstar.runtime.graphs.prefill_graphs import PrefillGraphRunner, prefill_sizes
 

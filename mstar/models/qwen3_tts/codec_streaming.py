@@ -26,14 +26,9 @@ from typing import Hashable
 import torch
 
 from mstar.models.qwen3_tts.codec import Qwen3TTSCodecDecoder
-from mstar.models.shape_graphs import ShapeGraphs
+from mstar.models.shape_graphs import ShapeGraphs, padded_batch
 
 MAX_CODEC_GRAPHS = 8  # shapes kept (rows x frames), least recently used dropped
-
-
-def padded_rows(rows: int) -> int:
-    """1, 2, 4, then the next multiple of 8."""
-    return rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
 
 
 class CodecStatePool:
@@ -53,17 +48,17 @@ class CodecStatePool:
         if graphs not in ("off", "cuda", "static"):
             raise ValueError(f"codec state pool: graphs={graphs!r} (off | cuda | static | auto)")
         self.graphs = graphs
-        pad = graphs != "off"
+        self._first = int(graphs != "off")  # slot 0 is the padding rows' when graphs pad
         with torch.inference_mode():
-            self.history = decoder.empty_history(capacity + pad)
-            self.positions = torch.zeros(capacity + pad, dtype=torch.long, device=decoder.device)
-        self._free = list(range(int(pad), capacity + pad))
+            self.history = decoder.empty_history(self._first + capacity)
+            self.positions = torch.zeros(self._first + capacity, dtype=torch.long, device=decoder.device)
+        self._free = list(range(self._first, self._first + capacity))
         self._step = ShapeGraphs(decoder.step, max_graphs=MAX_CODEC_GRAPHS, enabled=graphs == "cuda",
                                  capture_first=True)
 
     @property
     def capacity(self) -> int:
-        return self.positions.shape[0] - (self.graphs != "off")
+        return self.positions.shape[0] - self._first
 
     @torch.inference_mode()
     def acquire(self) -> int:
@@ -80,7 +75,7 @@ class CodecStatePool:
         return slot
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not (self.graphs != "off") <= slot < self.positions.shape[0]:
+        if slot in self._free or not self._first <= slot < self.positions.shape[0]:
             raise ValueError(f"codec state pool: slot {slot} is not in use")
         self._free.append(slot)
 
@@ -98,7 +93,7 @@ class CodecStatePool:
         R, n = codes.shape[0], codes.shape[-1]
         rows, cols = R, n
         if self.graphs != "off":
-            rows, cols = padded_rows(R), max(n, frames or n)
+            rows, cols = padded_batch(R), max(n, frames or n)
             if (rows, cols) != (R, n):
                 full = torch.zeros((rows, codes.shape[1], cols), dtype=codes.dtype, device=dev)
                 full[:R, :, :n] = codes

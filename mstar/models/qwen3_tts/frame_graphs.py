@@ -27,7 +27,6 @@ tests check the graph's inputs against the plain step, code for code.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -38,15 +37,10 @@ import torch
 
 from mstar import ops
 from mstar.models.context import AttentionMetadata, ForwardContext
+from mstar.models.shape_graphs import capture_after_first_use, padded_batch, padded_sizes
 from mstar.ops import sampling
 
 log = logging.getLogger("mstar.models")
-
-
-def padded_sizes(max_rows: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to max_rows (and max_rows itself)."""
-    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows + 1, 8))
-    return sorted(set(sizes + [max_rows]))
 
 
 @dataclass
@@ -115,7 +109,7 @@ class FrameGraphs:
         self._key: tuple | None = None
 
     def bucket(self, rows: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, rows)]
+        return padded_batch(rows, self.sizes[-1])
 
     # --- a step ---------------------------------------------------------------------------------
     def run(self, state, text: torch.Tensor) -> torch.Tensor:
@@ -178,8 +172,7 @@ class FrameGraphs:
             padded = [np.concatenate([a, np.repeat(a[:1], b - B)]) for a in host]
             for buf, a in zip(bufs, padded):
                 buf[:b].copy_(torch.from_numpy(a))
-            plan = sampling.make_plan(*padded, vocab, candidates=vocab)  # as the eager samplers plan
-            samplers.append(FixedSampler(plan, [buf[:b] for buf in bufs]))
+            samplers.append(FixedSampler(site_plan(padded, vocab), [buf[:b] for buf in bufs]))
         self._inputs = FrameInputs(self.seen[:b], self.rep_penalty[:b], self.frame_idx[:b], self.min_new[:b],
                                    self.seeds[:b], *samplers)
         plans = (samplers[0].plan, samplers[1].plan)
@@ -204,19 +197,17 @@ class FrameGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(dev)
-        current = torch.cuda.current_stream(dev)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            fn(b)
-        current.wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            out = fn(b)
-        got = self.graphs[(kind,) + self._key] = (graph, out)
+        got = self.graphs[(kind,) + self._key] = capture_after_first_use(lambda: fn(b), self.stream, self.pool)
         dt = time.perf_counter() - t0
         self.capture_s += dt
         log.info("qwen3-tts %s graph: %d rows captured in %.2f s (%d graphs)", kind, b, dt, len(self.graphs))
         return got
+
+
+def site_plan(arrays: list, vocab: int) -> sampling.SamplePlan:
+    """The plan of one sampling site's per-row (temperature, top_k, top_p, min_p) arrays. Its
+    candidates are the whole vocabulary: every row is decided in one pass (no redo, no host sync)."""
+    return sampling.make_plan(*arrays, vocab, candidates=vocab)
 
 
 class FixedSampler:

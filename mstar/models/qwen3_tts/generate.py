@@ -36,10 +36,9 @@ import torch
 
 from mstar.models.context import ForwardContext
 from mstar.models.qwen3_tts.config import SUPPRESSED_TAIL, Qwen3TTSConfig
-from mstar.models.qwen3_tts.frame_graphs import FixedSampler, FrameGraphs
+from mstar.models.qwen3_tts.frame_graphs import FixedSampler, FrameGraphs, site_plan
 from mstar.models.qwen3_tts.prompt import TalkerPrompt
 from mstar.models.qwen3_tts.talker import KVPool, PageTable, Talker
-from mstar.ops import sampling
 
 
 @dataclass(frozen=True)
@@ -254,9 +253,7 @@ class TalkerGenerator:
                             col["subtalker_top_k"], col["subtalker_top_p"]))
         samplers = []
         for host, vocab in zip(st.sampling_host, (self.tc.vocab_size, self.tc.code_predictor_config.vocab_size)):
-            # candidates = the vocabulary: every row is decided in one pass (no redo, so no host sync)
-            plan = sampling.make_plan(*host, vocab, candidates=vocab)
-            samplers.append(FixedSampler(plan, [torch.from_numpy(a).to(self.device) for a in host]))
+            samplers.append(FixedSampler(site_plan(host, vocab), [torch.from_numpy(a).to(self.device) for a in host]))
         st.talker_sampler, st.predictor_sampler = samplers
 
     def _append(self, state: GenerationState, new: GenerationState, ids: list, params: list) -> None:

@@ -40,33 +40,11 @@ import torch
 from mstar import ops
 from mstar.models.context import (AttentionMetadata, CrossAttentionMetadata, ForwardContext, StateMetadata,
                                   cross_slot_pages)
+from mstar.models.shape_graphs import capture_after_first_use, padded_sizes
 from mstar.runtime.graphs.decode_plan_cache import DecodeArrayCache
 from mstar.runtime.engine.step_inputs import StepRows, decode_arrays
 
 log = logging.getLogger("mstar.runtime")
-
-
-def capture_after_first_use(fn, stream: torch.cuda.Stream, pool=None, on_stream: bool = True):
-    """(graph, fn's output in the graph): fn runs once on `stream` first (compiles, autotuning,
-    library handles: never inside a capture), then is captured into a new graph, on the same
-    stream (on_stream) or on torch.cuda.graph's own capture stream, in `pool` when given."""
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        fn()
-    current.wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream if on_stream else None):
-        out = fn()
-    return g, out
-
-
-def capture_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
-    if not sizes or sizes[-1] != max_batch:
-        sizes.append(max_batch)
-    return sorted(set(sizes))
 
 
 class DecodeGraphRunner:
@@ -89,7 +67,7 @@ class DecodeGraphRunner:
         self.cross_page_size = cross_page_size or cross_source_len
         self._x_pages = cross_source_len // self.cross_page_size if cross_source_len else 0  # per slot
         self.capture_enabled = capture
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = padded_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         spec = model.cache_spec()
         self.has_attention = bool(spec.attention)

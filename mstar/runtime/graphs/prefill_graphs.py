@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from mstar.runtime.graphs.cuda_graphs import capture_after_first_use
+from mstar.models.shape_graphs import capture_after_first_use
 
 log = logging.getLogger("mstar.runtime")
 
