@@ -20,7 +20,9 @@ Per point: N = max(--waves * c, --min-requests) requests after a warm-up of c; c
 at all times. Reported: req/s, audio seconds per wall second, first-audio latency p50 / p90 (from
 submission to the first audio chunk), the real-time factor (a request's latency / its audio
 seconds, mean), and `realtime`: the fraction of streams that never run dry (each chunk arrives
-before the audio before it has played out, counting from the first chunk).
+before the audio before it has played out, counting from the first chunk). For the models that
+sample tokens (Orpheus, Qwen3-TTS) also the first token's latency p50 (the prefill) and the mean
+time a token after it (a decode step as a stream sees it): first audio splits into those.
 
 Baselines (--baseline, before mstar's engine is built, in the same process and GPU; qwen-tts in a
 subprocess on the same GPU):
@@ -68,12 +70,24 @@ ORPHEUS_TEXT = ("Hey there, my name is Tara, and I am here to read you a short s
 
 # -- statistics --------------------------------------------------------------------------------
 class Stream:
-    """One request's timeline: submitted at t0, (time, seconds of audio) per chunk, done at t1."""
+    """One request's timeline: submitted at t0, (time, seconds of audio) per chunk, done at t1;
+    for the models that sample tokens, when the first came back and how many came after it."""
 
     def __init__(self, t0: float):
         self.t0 = t0
         self.chunks: list[tuple[float, float]] = []
         self.t1 = t0
+        self.first_token: float | None = None
+        self.last_token = t0
+        self.tokens = 0
+
+    def got_tokens(self, now: float, n: int) -> None:
+        if n <= 0:
+            return
+        if self.first_token is None:
+            self.first_token, n = now, n - 1
+        self.tokens += n
+        self.last_token = now
 
     @property
     def audio_s(self) -> float:
@@ -95,6 +109,8 @@ def summarize(streams: list[Stream], wall_s: float) -> dict:
     first = [1e3 * (s.chunks[0][0] - s.t0) for s in streams if s.chunks]
     audio = [s.audio_s for s in streams]
     rtf = [(s.t1 - s.t0) / s.audio_s for s in streams if s.audio_s > 0]
+    first_tok = [1e3 * (s.first_token - s.t0) for s in streams if s.first_token is not None]
+    per_tok = [1e3 * (s.last_token - s.first_token) / s.tokens for s in streams if s.tokens > 0]
     return {
         "requests": len(streams), "wall_s": round(wall_s, 3),
         "req_s": round(len(streams) / wall_s, 3) if wall_s > 0 else None,
@@ -103,6 +119,9 @@ def summarize(streams: list[Stream], wall_s: float) -> dict:
         "first_audio_p50_ms": round(float(np.percentile(first, 50)), 1) if first else None,
         "first_audio_p90_ms": round(float(np.percentile(first, 90)), 1) if first else None,
         "rtf_mean": round(float(np.mean(rtf)), 4) if rtf else None,
+        # where first audio goes, for the token models: the prefill's first token, then each token after it
+        "first_token_p50_ms": round(float(np.percentile(first_tok, 50)), 1) if first_tok else None,
+        "token_ms_mean": round(float(np.mean(per_tok)), 3) if per_tok else None,
         "realtime": round(sum(s.realtime() for s in streams) / len(streams), 3) if streams else 0.0,
     }
 
@@ -139,6 +158,7 @@ def closed_loop(llm, make_items, c: int, n: int) -> tuple[list[Stream], float]:
             st = live.get(o.request_id)
             if st is None:
                 continue
+            st.got_tokens(now, len(o.new_token_ids or ()))
             for m in o.media or ():
                 if isinstance(m, I.AudioChunk):
                     st.chunks.append((now, len(m.pcm) / m.sample_rate))
@@ -408,7 +428,9 @@ def _record(args, engine: str, family: str, c: int, streams: list[Stream], wall:
            **summarize(streams, wall), **extra}
     print(f"{engine:>18} c={c:<3} {rec['req_s']:>8} req/s  {rec['audio_s_per_s']:>8} audio s/s  first audio "
           f"p50 {rec['first_audio_p50_ms']} p90 {rec['first_audio_p90_ms']} ms  RTF {rec['rtf_mean']}  "
-          f"realtime {rec['realtime']}  ({rec['requests']} requests, {rec['audio_s_mean']} s each)", flush=True)
+          f"realtime {rec['realtime']}  ({rec['requests']} requests, {rec['audio_s_mean']} s each)"
+          + (f"  first token p50 {rec['first_token_p50_ms']} ms, {rec['token_ms_mean']} ms a token after it"
+             if rec.get("token_ms_mean") is not None else ""), flush=True)
     if args.out:
         append_jsonl(args.out, rec)
     return rec
