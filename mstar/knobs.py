@@ -181,6 +181,12 @@ KNOBS: tuple[Knob, ...] = (
          "Each stream's samples are the eager chunk's within float rounding (a padded batch may run other "
          "kernels; tests/test_qwen3_tts_codec.py checks the padding on CPU). Off by default until a GPU run measures it (the eager chunk takes 21-28 ms: "
          "notes/gpu-2026-12-04-qwen3-tts-graphs.md)."),
+    Knob("MSTAR_SNAC_GRAPHS", "bool", False,
+         "Orpheus on CUDA decodes each step's SNAC windows from a CUDA graph per padded window count (1, 2, 4 "
+         "or a multiple of 8; padding windows of code 0), on a CUDA stream of the codec's own, so the windows "
+         "decode beside the LM's next step instead of behind it; off: the windows as they come, eagerly, on the "
+         "default stream. Each window's samples are the eager forward's within float rounding (tests/test_snac.py "
+         "checks the padding on CPU). Off by default until a GPU run measures it."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     Knob("MSTAR_MODEL_PLUGINS", "str", "",

@@ -35,15 +35,28 @@ def save_release(model, cfg: dict, path) -> str:
 
 
 class PackageNoise:
-    """Replaces the package's NoiseBlock.forward: n from `generator` (None: zeros), else the same
-    maths (x + n * linear(x))."""
+    """Replaces the package's NoiseBlock.forward: n from `generator` (None: zeros), or, after
+    `seeded(seeds)`, mstar's counter-based noise of those row seeds (the decode's i-th noise
+    block drawing stream i, as mstar's SNAC does); then the same maths (x + n * linear(x))."""
 
     def __init__(self, generator: torch.Generator | None):
         self.generator = generator
+        self.seeds: torch.Tensor | None = None
+        self.calls = 0
+
+    def seeded(self, seeds) -> "PackageNoise":
+        """Counter-based noise for the next decode (noise block i: stream i)."""
+        self.seeds = torch.as_tensor(seeds, dtype=torch.int64).reshape(-1)
+        self.calls = 0
+        return self
 
     def __call__(self, block, x):
         B, _, T = x.shape
-        if self.generator is None:
+        if self.seeds is not None:
+            from mstar.ops.sampling import normal_noise
+            n = normal_noise(self.seeds, self.calls, T).to(x.dtype).unsqueeze(1)
+            self.calls += 1
+        elif self.generator is None:
             n = torch.zeros((B, 1, T), dtype=x.dtype)
         else:
             n = torch.randn((B, 1, T), generator=self.generator, dtype=x.dtype)

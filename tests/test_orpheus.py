@@ -9,8 +9,8 @@ a narrow width: config.json + pytorch_model.bin). mstar finds the codec beside t
 References: the LM's greedy tokens against transformers' generate (exact, float32); a speech
 request's audio against the snac package decoding the request's own tokens the way the release's
 glue does (each window of the last 28 audio tokens decoded alone, samples [2048, 4096) kept, plus
-the last window's [4096, 8192) at the end), its noise drawn from the generator mstar seeds for
-that window (seed * 1000003 + window index): within AUDIO_TOL (5e-6, as tests/test_snac.py states
+the last window's [4096, 8192) at the end), its noise mstar's counter-based noise of the seed mstar
+gives that window (seed * 1000003 + window index): within AUDIO_TOL (5e-6, as tests/test_snac.py states
 for a window decode). A request batched with others against the same request alone: tokens exact,
 audio within BATCH_TOL (1e-6: the same weights, CPU convolutions pick kernels by batch size; seen
 <= 3e-8).
@@ -29,7 +29,7 @@ snac = pytest.importorskip("snac")
 from mstar.models import interfaces as I  # noqa: E402
 from mstar.models import registry  # noqa: E402
 from mstar.models.orpheus import tokens as T  # noqa: E402
-from mstar.models.orpheus.codec_stage import _SEED_STRIDE  # noqa: E402
+from mstar.models.orpheus.codec_stage import window_seed  # noqa: E402
 from mstar.models.orpheus.family import find_codec  # noqa: E402
 from mstar.models.snac.presets import SNAC_TINY  # noqa: E402
 from mstar.runtime.engine.config import EngineConfig  # noqa: E402
@@ -148,7 +148,7 @@ def test_speech_audio_equals_the_package_decoding_its_tokens(release, engine, mo
         f = frames[w:w + 4]
         books = [torch.tensor([[fr[0] for fr in f]]), torch.tensor([[x for fr in f for x in (fr[1], fr[4])]]),
                  torch.tensor([[x for fr in f for x in (fr[2], fr[3], fr[5], fr[6])]])]
-        hook.generator = torch.Generator().manual_seed((seed * _SEED_STRIDE + w) % (1 << 63))
+        hook.seeded([window_seed(seed, w)])
         with torch.inference_mode():
             return ref.decode(books)[0, 0]
 
@@ -161,6 +161,23 @@ def test_speech_audio_equals_the_package_decoding_its_tokens(release, engine, mo
     got = audio(d)
     assert np.abs(got - want).max() < AUDIO_TOL
     assert np.abs(want).max() > 1e-2  # not silence
+
+
+def test_padded_window_graphs_keep_the_audio(engine, monkeypatch):
+    """MSTAR_SNAC_GRAPHS's padding (graphs="static": the CUDA graphs' shapes, eagerly) gives each
+    window the samples the default decode gives it; by default the stage decodes unpadded."""
+    from mstar import knobs
+    from mstar.models.snac.streaming import WindowDecoder
+    stage = engine.output_stage
+    assert stage.windows.graphs == "off" and not knobs.value("MSTAR_SNAC_GRAPHS")
+    reqs = [("p", "Padded windows.", 11, 42), ("q", "And a second stream.", 12, 49), ("r", "Third.", 13, 35)]
+    plain = run(engine, [speech(rid, t, s, n) for rid, t, s, n in reqs])
+    monkeypatch.setattr(stage, "windows", WindowDecoder(stage.decoder, graphs="static"))
+    padded = run(engine, [speech(rid, t, s, n) for rid, t, s, n in reqs])
+    for rid, _, _, n in reqs:
+        assert padded[rid]["tokens"] == plain[rid]["tokens"]
+        assert [len(c.pcm) for c in padded[rid]["chunks"]] == [len(c.pcm) for c in plain[rid]["chunks"]]
+        assert np.abs(audio(padded[rid]) - audio(plain[rid])).max() < BATCH_TOL
 
 
 def test_batched_equals_alone(engine):

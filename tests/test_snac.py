@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,9 +30,11 @@ snac = pytest.importorskip("snac")  # the `snac` pip package: the release's refe
 
 from mstar import ops  # noqa: E402
 from mstar.models.orpheus import tokens as ot  # noqa: E402
-from mstar.models.snac import (SNAC_24KHZ, codes_from_frames, decode_stream, decode_tail, decode_windows,  # noqa: E402
-                               fold_weight_norm, load_snac_decoder, sliding_windows)
+from mstar.models.snac import (SNAC_24KHZ, build_snac_decoder, codes_from_frames, decode_stream,  # noqa: E402
+                               decode_tail, decode_windows, fold_weight_norm, load_snac_decoder, sliding_windows)
 from mstar.models.snac.model import SNACDecoder  # noqa: E402
+from mstar.models.snac.streaming import WindowDecoder  # noqa: E402
+from mstar.ops.sampling import normal_noise  # noqa: E402
 from snac_helpers import PackageNoise, release_model, save_release  # noqa: E402
 
 AUDIO_TOL = 5e-6
@@ -145,6 +148,17 @@ def test_decoder_matches_the_package(cfg, frames, batch, seed, tmp_path, package
         got_n = ours(codes, noise=True, generator=torch.Generator().manual_seed(99))
         assert (got_n - want_n).abs().max().item() < AUDIO_TOL
         assert (want_n - want).abs().max().item() > 1e-3  # the noise reaches the output
+        # counter-based noise, one seed per row (the served path): the package fed the same n
+        seeds = torch.randint(0, 2**62, (batch,), generator=torch.Generator().manual_seed(seed))
+        package_noise.generator = None
+        rows = []
+        for b in range(batch):  # the package one row at a time, each with its row's seed
+            package_noise.seeded(seeds[b:b + 1])
+            rows.append(package_decode(ref, [c[b:b + 1] for c in codes]))
+        want_s = torch.cat(rows)
+        got_s = ours(codes, noise=True, generator=seeds)
+        assert (got_s - want_s).abs().max().item() < AUDIO_TOL
+        assert (want_s - want).abs().max().item() > 1e-3 and (want_s - want_n).abs().max().item() > 1e-3
 
 
 def test_published_config_parameters():
@@ -209,6 +223,46 @@ def test_decode_windows_matches_the_package_per_window(cfg, batch, seed, tmp_pat
         assert (got[b] - audio[n:2 * n]).abs().max().item() < AUDIO_TOL
         assert (tail[b] - audio[2 * n:]).abs().max().item() < AUDIO_TOL
     assert decode_windows(ours, windows[:0]).shape == (0, n)
+
+
+def test_normal_noise_is_seeded_per_row_and_standard_normal():
+    g = torch.Generator().manual_seed(31)
+    seeds = torch.randint(0, 2**63 - 1, (4,), generator=g)
+    n = normal_noise(seeds, 2, 50_000)
+    assert n.shape == (4, 50_000) and n.dtype == torch.float32 and torch.isfinite(n).all()
+    flat = n.double().flatten()
+    assert abs(flat.mean().item()) < 0.01 and abs(flat.std().item() - 1) < 0.01  # 200k draws: sd of the mean 0.0022
+    assert abs((flat.abs() < 1).double().mean().item() - 0.6827) < 0.005  # the normal's mass within one sd
+    assert torch.equal(normal_noise(seeds[2:3], 2, 50_000)[0], n[2])  # a row's noise is its own
+    assert torch.equal(normal_noise(seeds, 2, 50_000), n)  # a pure function of its inputs
+    assert not torch.equal(normal_noise(seeds, 3, 100), n[:, :100])  # another stream, other noise
+    assert torch.corrcoef(torch.stack([n[0], n[1]]))[0, 1].abs() < 0.02  # rows independent
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["no-noise", "noise"])
+def test_window_decoder_padding_and_batches(noise):
+    model = build_snac_decoder(TINY, seed=8)
+    n = model.samples_per_frame
+    g = torch.Generator().manual_seed(9)
+    windows = torch.randint(0, TINY["codebook_size"], (5, 4, 7), generator=g)
+    seeds = torch.randint(0, 2**62, (5,), generator=g)
+    plain, padded = WindowDecoder(model, noise=noise), WindowDecoder(model, noise=noise, graphs="static")
+    assert WindowDecoder(model, graphs="auto").graphs == "off"  # "auto" off CUDA
+    got = plain(windows, seeds)
+    assert got.shape == (5, 4 * n) and got.dtype == np.float32
+    want = np.stack([model(codes_from_frames(windows[b:b + 1]), noise=noise, generator=seeds[b:b + 1])[0, 0].numpy()
+                     for b in range(5)])
+    assert np.abs(got - want).max() < 1e-6  # each window as it decodes alone (CPU kernels vary by batch)
+    assert np.abs(padded(windows, seeds) - got).max() < 1e-6  # padded to 8, the same rows
+    assert np.abs(padded(windows[1:2], seeds[1:2])[0] - got[1]).max() < 1e-6
+    assert plain(windows[:0], seeds[:0]).shape == (0, 4 * n)
+    if noise:
+        other = plain(windows, seeds + 1)
+        assert np.abs(other - got).max() > 1e-3  # the seed reaches the audio
+    with pytest.raises(ValueError, match="graphs"):
+        WindowDecoder(model, graphs="sometimes")
+    with pytest.raises(ValueError, match="windows"):
+        plain(windows[:, :3], seeds)
 
 
 def test_sliding_windows():

@@ -93,6 +93,18 @@ def _uniform_at(seeds: torch.Tensor, steps: torch.Tensor, idx: torch.Tensor) -> 
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
+def normal_noise(seeds: torch.Tensor, stream: int, length: int) -> torch.Tensor:
+    """n[b, t] ~ N(0, 1), float32 [B, length], a pure function of (seeds[b], stream, t): the same
+    counter-based bits as the sampler's (stream 2s and 2s + 1 give the two uniforms of a Box-Muller
+    pair), so a row's noise does not depend on the batch it rides in, and the draw needs no
+    torch.Generator (a CUDA graph can replay it: the seeds are its only input)."""
+    idx = torch.arange(length, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    steps = torch.full_like(seeds, 2 * int(stream), dtype=torch.int64)
+    u1 = _uniform_at(seeds, steps, idx)
+    u2 = _uniform_at(seeds, steps + 1, idx)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * torch.pi) * u2)
+
+
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """_mix32 in place (the same bits, fewer temporaries)."""
     x ^= x >> 16

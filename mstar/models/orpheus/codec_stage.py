@@ -8,9 +8,11 @@ window's samples [4096, 8192) (the last two frames, which no window emitted) com
 finishing output as the final chunk. A window holding a code out of range makes no audio, as in
 the release.
 
-Noise: SNAC's noise blocks draw from one generator per window, seeded from the request's seed and
-the window's index, so a request's audio is a function of (seed, tokens): the same streamed or
-not, alone or batched with others.
+Noise: SNAC's noise blocks draw counter-based noise from one seed per window, made of the
+request's seed and the window's index, so a request's audio is a function of (seed, tokens): the
+same streamed or not, alone or batched with others. Every window of a step, the finishing streams'
+last ones too, goes through one forward (snac/streaming.py WindowDecoder; with graphs, replayed
+from a CUDA graph on a stream of its own).
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ import torch
 
 from mstar.models import interfaces as I
 from mstar.models.orpheus.tokens import AudioTokenStream, window_codes
-from mstar.models.snac.streaming import decode_tail, decode_windows
+from mstar.models.snac.streaming import KEEP_FRAME, WindowDecoder
 
-_SEED_STRIDE = 1_000_003  # window index -> generator seed offset (a prime: no collisions between nearby seeds)
+_SEED_STRIDE = 1_000_003  # window index -> noise seed offset (a prime: no collisions between nearby seeds)
+
+
+def window_seed(seed: int, index: int) -> int:
+    """The noise seed of a request's window `index`."""
+    return (int(seed) * _SEED_STRIDE + int(index)) % (1 << 63)
 
 
 class _Stream:
@@ -35,11 +42,13 @@ class _Stream:
 
 
 class OrpheusCodecStage(I.OutputStage):
-    def __init__(self, decoder, noise: bool = True):
+    """graphs: WindowDecoder's (off | cuda | static | auto)."""
+
+    def __init__(self, decoder, noise: bool = True, graphs: str = "off"):
         self.decoder = decoder
         self.device = decoder.device
         self.sample_rate = int(decoder.sampling_rate)
-        self.noise = noise
+        self.windows = WindowDecoder(decoder, noise=noise, graphs=graphs)
         self._streams: dict[str, _Stream] = {}
         self.num_windows = 0  # decoded, for stats
         self.num_codec_steps = 0
@@ -53,25 +62,14 @@ class OrpheusCodecStage(I.OutputStage):
     def __len__(self) -> int:
         return len(self._streams)
 
-    def _generators(self, items) -> list[torch.Generator] | None:
-        if not self.noise:
-            return None
-        gens = []
-        for _, st, _, idx in items:
-            g = torch.Generator(device=self.device)
-            g.manual_seed((st.seed * _SEED_STRIDE + idx) % (1 << 63))
-            gens.append(g)
-        return gens
-
-    def _decode(self, items, tail: bool) -> list[np.ndarray | None]:
-        """PCM per item (None: the window is not valid), one forward for all of them."""
+    def _decode(self, items) -> list[np.ndarray | None]:
+        """Each item's whole window decode (None: the window is not valid), one forward for all."""
         if not items:
             return []
         ids = torch.tensor([w for _, _, w, _ in items], dtype=torch.long)
         frames, valid = window_codes(ids)
-        fn = decode_tail if tail else decode_windows
-        audio = fn(self.decoder, frames.to(self.device), noise=self.noise, generator=self._generators(items))
-        pcm = audio.cpu().numpy()  # the step's one read-back of audio
+        seeds = torch.tensor([window_seed(st.seed, idx) for _, st, _, idx in items], dtype=torch.int64)
+        pcm = self.windows(frames, seeds)  # the step's one read-back of audio
         ok = valid.tolist()
         return [pcm[i] if ok[i] else None for i in range(len(items))]
 
@@ -89,18 +87,19 @@ class OrpheusCodecStage(I.OutputStage):
                 st.windows += 1
             if o.finish_reason is not None:
                 del self._streams[o.request_id]
-                last = st.tokens.last_window()
-                tails.append((o, st, last, st.windows - 1))
+                tails.append((o, st, st.tokens.last_window(), st.windows - 1))
+        with_window = [t for t in tails if t[2] is not None]
         if body:
             self.num_codec_steps += 1
             self.num_windows += len(body)
-        for (o, _, _, _), pcm in zip(body, self._decode(body, tail=False)):
+        pcms = self._decode(body + with_window)
+        n = self.decoder.samples_per_frame
+        for (o, _, _, _), pcm in zip(body, pcms):
             if pcm is not None:
-                o.media = [*(o.media or ()), I.AudioChunk(pcm, self.sample_rate, final=False)]
-        with_window = [t for t in tails if t[2] is not None]
-        pcms = dict(zip((id(t[0]) for t in with_window), self._decode(with_window, tail=True)))
+                o.media = [*(o.media or ()), I.AudioChunk(pcm[KEEP_FRAME * n:(KEEP_FRAME + 1) * n], self.sample_rate,
+                                                          final=False)]
+        tail_pcm = {id(t[0]): pcm for t, pcm in zip(with_window, pcms[len(body):])}
         for o, _, _, _ in tails:
-            pcm = pcms.get(id(o))
-            if pcm is None:
-                pcm = np.zeros(0, dtype=np.float32)
+            pcm = tail_pcm.get(id(o))
+            pcm = np.zeros(0, dtype=np.float32) if pcm is None else pcm[(KEEP_FRAME + 1) * n:]
             o.media = [*(o.media or ()), I.AudioChunk(pcm, self.sample_rate, final=True)]

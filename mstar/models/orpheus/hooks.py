@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from mstar import knobs
 from mstar.models import interfaces as I
 from mstar.models.orpheus import tokens as T
 from mstar.models.orpheus.family import find_codec
@@ -37,7 +38,7 @@ class OrpheusHooks(I.EngineHooks):
         self.tokenizer = load_tokenizer(name)
         decoder = load_codec(find_codec(name, engine_config.codec), self.device, engine_config.random_weights,
                              int(engine_config.seed))
-        self.output_stage = OrpheusCodecStage(decoder)
+        self.output_stage = OrpheusCodecStage(decoder, graphs="auto" if knobs.value("MSTAR_SNAC_GRAPHS") else "off")
         self.accepts = {"voices": list(T.VOICES), "max_input_chars": MAX_INPUT_CHARS, "speeds": [1.0],
                         "sample_rate": self.output_stage.sample_rate}
         self._bias = None  # [CODES_PER_FRAME + 1, vocab] additive mask (0 / -inf) per frame position, built on first use

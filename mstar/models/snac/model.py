@@ -21,8 +21,11 @@ weight (weight = g * v / ||v||, the norm over every dim but 0, as torch's weight
 a forward is plain conv calls.
 
 Noise: the release's decoder blocks add x + conv1x1(x) * n, n ~ N(0, 1) of shape [B, 1, T], drawn
-anew at every decode. The served path does the same (noise=True, from `generator` or torch's
-global generator); noise=False drops the term (n = 0) for deterministic output.
+anew at every decode. noise=True does the same, n from `generator`: torch's global generator
+(None), a torch.Generator, a list of one per row, or an int64 tensor of one seed per row, for
+counter-based noise (mstar.ops.sampling.normal_noise, noise block i drawing stream i): what the
+served path uses, since it is the same for a row in any batch and a CUDA graph can replay it.
+noise=False drops the term (n = 0) for deterministic output.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mstar import ops
+from mstar.ops.sampling import normal_noise
+
+# where the noise blocks' n comes from (the module docstring): None, a generator, one per row, seeds
+NoiseSource = torch.Generator | list | tuple | torch.Tensor | None
 
 
 @dataclass
@@ -119,16 +126,20 @@ class _Tanh(nn.Module):
 
 
 class _Noise(nn.Module):
-    """x + conv1x1(x) * n with n ~ N(0, 1) [B, 1, T] (shared over channels), or x when off."""
+    """x + conv1x1(x) * n with n ~ N(0, 1) [B, 1, T] (shared over channels), or x when off.
+    `stream`: this block's noise stream when the noise is counter-based (generator = seeds)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, stream: int):
         super().__init__()
         self.linear = _Conv(dim, dim, 1, bias=False)
+        self.stream = stream
 
     def forward(self, x: torch.Tensor, noise: bool, generator) -> torch.Tensor:
         if not noise:
             return x
-        if isinstance(generator, (list, tuple)):  # one generator per row: a row's noise is its own
+        if isinstance(generator, torch.Tensor):  # one seed per row
+            n = normal_noise(generator, self.stream, x.shape[2]).to(x.dtype).unsqueeze(1)
+        elif isinstance(generator, (list, tuple)):  # one generator per row: a row's noise is its own
             n = torch.cat([torch.randn((1, 1, x.shape[2]), generator=g, device=x.device, dtype=x.dtype)
                            for g in generator])
         else:
@@ -154,7 +165,7 @@ class _ResidualUnit(nn.Module):
 
 
 class _DecoderBlock(nn.Module):
-    def __init__(self, c_in: int, c_out: int, rate: int, noise: bool, groups: int):
+    def __init__(self, c_in: int, c_out: int, rate: int, noise: bool, groups: int, index: int):
         super().__init__()
         layers: list[nn.Module] = [
             _Snake(c_in),
@@ -163,11 +174,11 @@ class _DecoderBlock(nn.Module):
                   output_padding=rate % 2),
         ]
         if noise:
-            layers.append(_Noise(c_out))
+            layers.append(_Noise(c_out, stream=index))
         layers += [_ResidualUnit(c_out, d, groups) for d in (1, 3, 9)]
         self.block = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, noise: bool, generator: torch.Generator | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noise: bool, generator: NoiseSource) -> torch.Tensor:
         for layer in self.block:
             x = layer(x, noise, generator) if isinstance(layer, _Noise) else layer(x)
         return x
@@ -185,13 +196,13 @@ class _Decoder(nn.Module):
         else:
             layers = [_Conv(latent, dim, 7, padding=3)]
         c = dim
-        for rate in cfg.decoder_rates:
-            layers.append(_DecoderBlock(c, c // 2, rate, cfg.noise, groups=c // 2 if cfg.depthwise else 1))
+        for i, rate in enumerate(cfg.decoder_rates):
+            layers.append(_DecoderBlock(c, c // 2, rate, cfg.noise, groups=c // 2 if cfg.depthwise else 1, index=i))
             c //= 2
         layers += [_Snake(c), _Conv(c, 1, 7, padding=3), _Tanh()]
         self.model = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, noise: bool, generator: torch.Generator | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noise: bool, generator: NoiseSource) -> torch.Tensor:
         for layer in self.model:
             x = layer(x, noise, generator) if isinstance(layer, _DecoderBlock) else layer(x)
         return x
@@ -264,11 +275,11 @@ class SNACDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, codes: list[torch.Tensor], noise: bool = True,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: NoiseSource = None) -> torch.Tensor:
         """audio [B, 1, samples] in the model's dtype. noise=True draws the noise blocks' n as the
-        release does (from `generator` if given, else torch's global generator; a list of B
-        generators: each row's noise from its own, so a row's audio does not depend on the batch);
-        noise=False leaves it out."""
+        release does, from `generator` (the module docstring lists what it may be; a list of B
+        generators or a tensor of B seeds: each row's noise its own, so a row's audio does not
+        depend on the batch); noise=False leaves it out."""
         return self.decoder(self.latent_from_codes(codes), noise, generator)
 
 

@@ -16,12 +16,17 @@ that window has; a stream emits it once, when it ends, after its last `decode_wi
 The first frame and streams of fewer than 4 frames stay silent as in the release. Audio of a
 stream = concat(decode_windows(w) for w in sliding_windows(frames)) + decode_tail(last window),
 the same whether its windows are decoded one step at a time or all in one batch.
+
+`WindowDecoder` is the served form of one codec step: every window of the step (body and tails)
+in one forward, each with its own noise seed, padded and replayed from a CUDA graph when asked.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from mstar.models.shape_graphs import ShapeGraphs, padded_batch
 from mstar.models.snac.model import SNACDecoder
 
 CODES_PER_FRAME = 7
@@ -84,3 +89,58 @@ def decode_stream(decoder: SNACDecoder, frames: torch.Tensor, noise: bool = True
     audio = _decode(decoder, windows, noise, generator).float()  # the last window decoded once, for both parts
     body = audio[:, KEEP_FRAME * n:(KEEP_FRAME + 1) * n].reshape(-1)
     return torch.cat([body, audio[-1, (KEEP_FRAME + 1) * n:]])
+
+
+MAX_WINDOW_GRAPHS = 8  # padded window counts kept, least recently used dropped
+
+
+class WindowDecoder:
+    """One codec step: windows [B, 4, 7] of codes with one noise seed each (int64 [B]; counter-based
+    noise, model.py) -> float32 [B, 4 * samples_per_frame] on the host, each window's whole decode
+    (the caller keeps frame 1, or frames 2 and 3 for a tail).
+
+    graphs: "off" (each step's windows as they come), "cuda" (padded to 1, 2, 4 or a multiple of 8
+    windows, padding rows of code 0 and seed 0, each padded count replayed from a CUDA graph
+    captured on its first use, on a CUDA stream of the decoder's own: the step's windows decode
+    beside whatever the default stream runs, the LM's next step), "static" (the same padding,
+    eagerly: how the CPU tests check it), "auto" ("cuda" on a CUDA decoder, else "off"). A row's
+    samples do not depend on its batch, padded or not, beyond float rounding (convolutions may pick
+    other kernels for another batch size)."""
+
+    def __init__(self, decoder: SNACDecoder, noise: bool = True, graphs: str = "off"):
+        if graphs == "auto":
+            graphs = "cuda" if decoder.device.type == "cuda" else "off"
+        if graphs not in ("off", "cuda", "static"):
+            raise ValueError(f"SNAC window decoder: graphs={graphs!r} (off | cuda | static | auto)")
+        self.decoder = decoder
+        self.noise = bool(noise)
+        self.graphs = graphs
+        self._forward = ShapeGraphs(self._window_audio, max_graphs=MAX_WINDOW_GRAPHS, enabled=graphs == "cuda",
+                                    capture_first=True)
+        self._stream = None
+        if graphs == "cuda":
+            torch.cuda.synchronize(decoder.device)  # the weights are in place before another stream reads them
+            self._stream = torch.cuda.Stream(device=decoder.device)
+
+    def _window_audio(self, codes: list[torch.Tensor], seeds: torch.Tensor) -> torch.Tensor:
+        return self.decoder(codes, noise=self.noise, generator=seeds)[:, 0].float()
+
+    @torch.inference_mode()
+    def __call__(self, windows: torch.Tensor, seeds: torch.Tensor) -> np.ndarray:
+        if windows.dim() != 3 or windows.shape[1:] != (WINDOW_FRAMES, CODES_PER_FRAME):
+            raise ValueError(f"windows must be [B, {WINDOW_FRAMES}, {CODES_PER_FRAME}], got {tuple(windows.shape)}")
+        B = windows.shape[0]
+        if B == 0:
+            return np.zeros((0, WINDOW_FRAMES * self.decoder.samples_per_frame), dtype=np.float32)
+        seeds = seeds.to(torch.int64)
+        if self.graphs != "off" and padded_batch(B) != B:
+            pad = padded_batch(B) - B
+            windows = torch.cat([windows, windows.new_zeros((pad, *windows.shape[1:]))])
+            seeds = torch.cat([seeds, seeds.new_zeros(pad)])
+        dev = self.decoder.device
+        if self._stream is None:
+            audio = self._forward(codes_from_frames(windows.to(dev)), seeds.to(dev))
+            return audio[:B].cpu().numpy()
+        with torch.cuda.stream(self._stream):  # no wait on the default stream: nothing read here is written there
+            audio = self._forward(codes_from_frames(windows.to(dev)), seeds.to(dev))
+            return audio[:B].cpu().numpy()  # waits for this stream only
