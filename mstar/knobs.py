@@ -187,6 +187,14 @@ KNOBS: tuple[Knob, ...] = (
          "decode beside the LM's next step instead of behind it; off: the windows as they come, eagerly, on the "
          "default stream. Each window's samples are the eager forward's within float rounding (tests/test_snac.py "
          "checks the padding on CPU). Off by default until a GPU run measures it."),
+    Knob("MSTAR_CANDIDATE_SAMPLING", "bool", False,
+         "A step whose sampled rows are all media requests of a family that lists each row's candidate tokens "
+         "(Orpheus: the frame position's 4096 audio codes, and end of speech at a frame start) samples on those "
+         "columns alone: the head's logits gathered to [rows, candidates], the penalties and the draw (one stable "
+         "sort) at that width, instead of a vocabulary-wide mask, top-k and two sorts. The noise is keyed on the "
+         "token id and the kept set is the same, so the tokens are the default path's except within float "
+         "rounding of a top-p boundary (the softmax sums over another width); tests/test_orpheus.py checks them "
+         "equal. Off by default until a GPU run measures it."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     Knob("MSTAR_MODEL_PLUGINS", "str", "",

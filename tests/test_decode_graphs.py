@@ -371,13 +371,14 @@ def test_overlapped_decode_sampled_rows_tokens_depend_on_the_bookkeeping():
     s = core.sampler
     dev = s.sample_device
 
-    def count_twice(logits, rows, steps, max_finite=None):
-        tokens = dev(logits, rows, steps, max_finite)
+    def count_twice(logits, rows, steps, max_finite=None, col_ids=None):
+        tokens = dev(logits, rows, steps, max_finite, col_ids)
         s._count(s._gather(rows, steps), tokens)
         return tokens
     s.sample_device = count_twice
     assert run_all(core, mk()) != want
-    s.sample_device = lambda logits, rows, steps, max_finite=None: dev(logits, rows, [t + 1 for t in steps], max_finite)
+    s.sample_device = lambda logits, rows, steps, max_finite=None, col_ids=None: dev(
+        logits, rows, [t + 1 for t in steps], max_finite, col_ids)
     assert run_all(core, mk()) != want
     del s.sample_device
     assert run_all(core, mk()) == want and core.overlap.num_chained > 0

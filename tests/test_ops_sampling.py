@@ -452,3 +452,32 @@ def test_redo_tries_more_candidates_before_the_reference(monkeypatch):
     sampling.redo_rows(out, list(range(B)), logits, *params)
     assert bool(out[4].all())
     _assert_same(out[:4], want)
+
+
+# --- candidate columns: a row's candidate set sampled on its own columns ----------------------------
+@pytest.mark.parametrize("kind", ["randn", "lm", "bf16", "ints"])
+@pytest.mark.parametrize("V,M", [(700, 40), (6000, 1100), (20000, 4097)])
+def test_candidate_columns_same_tokens_as_the_whole_vocabulary(kind, V, M):
+    """Each row's M candidates (random ids, ascending, the last few rows padded with -1): the
+    columns sampled with col_ids give the reference's tokens over the whole vocabulary with every
+    other logit -inf (the noise is keyed on the id, the ties broken by the lower id)."""
+    gen = torch.Generator().manual_seed(V + M + len(kind))
+    B = 64
+    temperature, top_k, top_p, min_p, seeds, steps = _random_params(B, V, gen)
+    full = _logits(kind, B, V, gen).float()
+    col_ids = torch.stack([torch.randperm(V, generator=gen)[:M].sort().values for _ in range(B)])
+    col_ids[-4:, M - 5:] = -1  # padding
+    cols = full.gather(1, col_ids.clamp_min(0)).masked_fill(col_ids < 0, float("-inf"))
+    wide = torch.full_like(full, float("-inf"))  # the same row over the whole vocabulary
+    for b in range(B):
+        keep = col_ids[b][col_ids[b] >= 0]
+        wide[b, keep] = full[b, keep]
+    plan = sampling.whole_row_plan(M, bool((temperature <= 0).any()))
+    got = sampling.sample_planned(cols, temperature, top_k, top_p, min_p, seeds, steps, 0, plan,
+                                  token_logprobs=False, col_ids=col_ids)
+    assert bool(got[4].all())  # the whole row: every row decided
+    tokens = col_ids.gather(1, got[0].unsqueeze(1)).squeeze(1)
+    want = REF(wide, temperature, top_k, top_p, min_p, seeds, steps, 0)[0]
+    assert torch.equal(tokens, want), f"rows {torch.nonzero(tokens != want).flatten().tolist()}"
+    with pytest.raises(ValueError, match="col_ids"):
+        sampling.sample_planned(cols, temperature, top_k, top_p, min_p, seeds, steps, 2, plan, col_ids=col_ids)

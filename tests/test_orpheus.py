@@ -180,6 +180,29 @@ def test_padded_window_graphs_keep_the_audio(engine, monkeypatch):
         assert np.abs(audio(padded[rid]) - audio(plain[rid])).max() < BATCH_TOL
 
 
+def test_candidate_sampling_gives_the_default_tokens(release, engine):
+    """MSTAR_CANDIDATE_SAMPLING (each step on the frame position's 4097 candidate columns): the
+    tokens and audio of the default path (vocabulary-wide mask), and no change when off."""
+    from mstar import knobs
+    assert not engine._candidates and not knobs.value("MSTAR_CANDIDATE_SAMPLING")
+    reqs = [("c1", "Candidates only.", 21, 42), ("c2", "A second, longer request here.", 22, 56)]
+    want = run(engine, [speech(rid, t, s, n) for rid, t, s, n in reqs])
+    with knobs.override(MSTAR_CANDIDATE_SAMPLING=True):
+        cand = EngineCore(EngineConfig(model=release[0], dtype="float32", device="cpu", max_num_seqs=8))
+    assert cand._candidates
+    calls = []
+    at = cand.model.compute_logits_at
+    cand.model.compute_logits_at = lambda *a: calls.append(a[2].shape) or at(*a)
+    got = run(cand, [speech(rid, t, s, n) for rid, t, s, n in reqs])
+    assert len(calls) >= 56 and all(c[1] == 4097 for c in calls)  # every step sampled on the columns
+    for rid, _, _, n in reqs:
+        assert got[rid]["tokens"] == want[rid]["tokens"] and len(got[rid]["tokens"]) == n
+        assert np.array_equal(audio(got[rid]), audio(want[rid]))
+    ids = cand.hooks._position_ids()
+    assert ids.shape == (7, 4097) and ids[0, 0].item() == T.END_OF_SPEECH and (ids[1:, -1] == -1).all()
+    assert all(bool((r[r >= 0].diff() > 0).all()) for r in ids)  # ascending
+
+
 def test_batched_equals_alone(engine):
     reqs = [("a", "One.", 5, 42), ("b", "Two, and a longer sentence.", 6, 35), ("c", "Three.", 7, 56)]
     alone = {rid: run(engine, [speech(rid, t, s, n)])[rid] for rid, t, s, n in reqs}

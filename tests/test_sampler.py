@@ -4,6 +4,7 @@ the reference op."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar import knobs, ops
@@ -162,3 +163,44 @@ def test_verify_mode_goes_through_the_op():
         s.sample(logits_for(len(rows), seed=4), rows, [0] * len(rows))
     rep = ops.verify_report()
     assert rep["sample"]["calls"] == 1 and rep["sample"]["max_abs_diff"] == 0.0
+
+
+def test_candidate_columns_equal_the_masked_vocabulary():
+    """sample / sample_device on candidate columns (col_ids) against the same rows over the whole
+    vocabulary with every other logit -inf: the same tokens, the same penalty counts after."""
+    Vw, M, B = 300, 40, 6
+    gen = torch.Generator().manual_seed(17)
+    plist = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=1),
+             SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5, seed=3),
+             SamplingParams(temperature=0.9, min_p=0.1, frequency_penalty=0.4, presence_penalty=0.2, seed=4),
+             SamplingParams(temperature=1.3, seed=5), SamplingParams(temperature=0.6, top_p=0.8, seed=6)]
+
+    def make():
+        s = Sampler(8, Vw, "cpu")
+        return s, [s.add(p, 7 + i, [int(x) for x in torch.randint(0, Vw, (5,), generator=torch.Generator()
+                                                                     .manual_seed(i))], []) for i, p in enumerate(plist)]
+
+    wide_s, rows = make()
+    cols_s, rows_c = make()
+    dev_s, rows_d = make()
+    assert rows == rows_c == rows_d
+    for step in range(12):
+        col_ids = torch.stack([torch.randperm(Vw, generator=gen)[:M].sort().values for _ in range(B)])
+        col_ids[0, -3:] = -1
+        full = torch.randn(B, Vw, generator=gen) * 3
+        cols = full.gather(1, col_ids.clamp_min(0)).masked_fill(col_ids < 0, float("-inf"))
+        wide = torch.full_like(full, float("-inf"))
+        for b in range(B):
+            keep = col_ids[b][col_ids[b] >= 0]
+            wide[b, keep] = full[b, keep]
+        steps = [step] * B
+        want = wide_s.sample(wide.clone(), rows, steps).tokens
+        got = cols_s.sample(cols.clone(), rows, steps, col_ids=col_ids).tokens
+        on_dev = dev_s.sample_device(cols.clone(), rows, steps, col_ids=col_ids).tolist()
+        assert got == want == on_dev, step
+        assert all(t in col_ids[b].tolist() for b, t in enumerate(got))
+    assert torch.equal(cols_s.output_counts, wide_s.output_counts)
+    assert torch.equal(dev_s.output_counts, wide_s.output_counts)
+    logprob_row = cols_s.add(SamplingParams(temperature=1.0, logprobs=2), 9, [], [])
+    with pytest.raises(ValueError, match="logprobs"):
+        cols_s.sample(cols[:1].clone(), [logprob_row], [0], col_ids=col_ids[:1])

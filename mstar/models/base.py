@@ -246,6 +246,24 @@ class DecoderLM(nn.Module):
         out.index_copy_(1, ids, torch.nn.functional.linear(hidden, rows[1]).float())
         return out
 
+    def compute_logits_at(self, hidden: torch.Tensor, ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+        """Row b's logits of tokens col_ids[b] (int64 [N, M], each in `ids`, or -1: -inf), float32
+        [N, M]: the head's rows of `ids` multiplied once (compute_logits_of's product), then
+        gathered per row. tp 1 only."""
+        if self.tp_size != 1:
+            raise ValueError("compute_logits_at: the vocabulary-parallel head computes every column")
+        cols = getattr(self, "_head_cols", None)
+        if cols is None or cols[0] is not ids:  # token id -> its column in ids (-1: not there)
+            at = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=ids.device)
+            at[ids] = torch.arange(ids.shape[0], device=ids.device)
+            cols = self._head_cols = (ids, at)
+        rows = getattr(self, "_head_rows", None)
+        if rows is None or rows[0] is not ids:
+            rows = self._head_rows = (ids, self.lm_head_weight().index_select(0, ids))
+        dense = torch.nn.functional.linear(hidden, rows[1]).float()
+        c = cols[1][col_ids.clamp_min(0)]
+        return dense.gather(1, c.clamp_min(0)).masked_fill_((col_ids < 0) | (c < 0), float("-inf"))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()

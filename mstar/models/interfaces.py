@@ -215,6 +215,10 @@ class EngineHooks:
                   computes the head's logits of these ids alone (the others -inf: the model's
                   compute_logits_of), as a family whose constrain_logits allows no other token
                   gets the same tokens with a fraction of the head's reads
+    candidate_ids(request_ids, num_output_tokens)  with logit_ids: each media row's candidate
+                  tokens (what constrain_logits leaves it), int64 [rows, M] on the device,
+                  ascending, -1 padding; None: the family has no such list. With
+                  MSTAR_CANDIDATE_SAMPLING a step of media rows alone samples on these columns
     """
 
     admission: AdmissionStage | None = None
@@ -232,6 +236,10 @@ class EngineHooks:
     def constrain_logits(self, logits, request_ids: list[str], num_output_tokens: list[int]) -> None:
         """In place, before sampling: rows of media requests (by id; others untouched) restricted
         to the tokens allowed at their output position."""
+
+    def candidate_ids(self, request_ids: list[str], num_output_tokens: list[int]):
+        """The rows' candidate tokens (see the class docstring), or None."""
+        return None
 
     def suppress_defaults(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(ids never sampled, ids not sampled as the first generated token) of requests that

@@ -250,7 +250,14 @@ def make_plan(temperature, top_k, top_p, min_p, vocab_size: int, candidates: int
                       complete=K == 0 or K >= V or (max_finite is not None and K >= max_finite))
 
 
-def _candidate_stage(lf, t, k, p, mp, seeds, steps, K: int, full_norm: bool):
+def whole_row_plan(width: int, any_greedy: bool) -> SamplePlan:
+    """The plan of a batch whose every row is a row's whole candidate set (Sampler col_ids): one
+    candidate stage over all `width` columns, which is the reference's own computation (complete)."""
+    return SamplePlan(candidates=int(width), full_norm=False, full_rows=(), full_minp=False, ref_rows=(),
+                      any_greedy=bool(any_greedy), complete=True)
+
+
+def _candidate_stage(lf, t, k, p, mp, seeds, steps, K: int, full_norm: bool, col_ids=None):
     """Each row decided on its K largest logits: (tokens, decided [B] bool).
 
     The candidates, put in the reference's order (scaled value descending, ties by lowest
@@ -262,11 +269,14 @@ def _candidate_stage(lf, t, k, p, mp, seeds, steps, K: int, full_norm: bool):
     noisy value beats v_last + the largest Gumbel value (then nothing outside can win)."""
     B, V = lf.shape
     dev = lf.device
-    cv, ci = torch.topk(lf, K, dim=-1)
-    sc = cv / t.unsqueeze(1)  # the same bits as the reference's lf / t at these indices
-    ci, o = torch.sort(ci, dim=-1)
-    sv, o = torch.sort(sc.gather(1, o), dim=-1, descending=True, stable=True)
-    si = ci.gather(1, o)
+    if K >= V:  # the whole row: one stable sort (ties by the lower column, as the reference)
+        sv, si = torch.sort(lf / t.unsqueeze(1), dim=-1, descending=True, stable=True)
+    else:
+        cv, ci = torch.topk(lf, K, dim=-1)
+        sc = cv / t.unsqueeze(1)  # the same bits as the reference's lf / t at these indices
+        ci, o = torch.sort(ci, dim=-1)
+        sv, o = torch.sort(sc.gather(1, o), dim=-1, descending=True, stable=True)
+        si = ci.gather(1, o)
     rank = torch.arange(K, device=dev).unsqueeze(0)
     drop = rank >= k.unsqueeze(1)  # top-k
     probs = torch.softmax(sv.masked_fill(drop, _NEG_INF), dim=-1)  # the reference's, when k <= K
@@ -277,7 +287,7 @@ def _candidate_stage(lf, t, k, p, mp, seeds, steps, K: int, full_norm: bool):
     pp = p.unsqueeze(1)
     drop = drop | ((before >= pp) & (pp < 1.0) & (rank > 0))  # top-p
     drop = drop | ((probs < mp.unsqueeze(1) * probs[:, :1]) & (rank > 0))  # min-p
-    u = _uniform_at(seeds, steps, si)
+    u = _uniform_at(seeds, steps, si if col_ids is None else col_ids.gather(1, si))  # noise keyed on the token id
     z = sv.masked_fill(drop, _NEG_INF) + (-torch.log(-torch.log(u)))
     win = z.argmax(dim=-1, keepdim=True)
     tok = si.gather(1, win).squeeze(1)
@@ -356,9 +366,14 @@ def _rows(rows: tuple[int, ...], B: int, dev):
 
 def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, num_logprobs: int,
-                   plan: SamplePlan, full_impl=None, token_logprobs: bool = True
+                   plan: SamplePlan, full_impl=None, token_logprobs: bool = True, col_ids=None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sample` by the stages of `plan` (= make_plan of these parameters), with no host sync.
+
+    col_ids [B, V] int64 (with plan = whole_row_plan(V, ...)): column j of row b stands for token
+    col_ids[b, j] (a row's candidates, ascending; its logit -inf where it pads), and the noise is
+    keyed on those ids, so the draw is the one over the whole vocabulary with every other logit
+    -inf. Tokens come back as columns (the caller maps them); no logprobs.
 
     Returns (tokens, token logprob, top ids, top logprobs, exact). Where exact[b], row b's
     outputs are the reference's; elsewhere its token (and token logprob) is undecided and must be
@@ -372,6 +387,8 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     answers differently on CPU and CUDA."""
     B, V = logits.shape
     dev = logits.device
+    if col_ids is not None and (plan.full_rows or plan.ref_rows or plan.candidates < V or num_logprobs):
+        raise ValueError("sample_planned: col_ids takes whole_row_plan and no logprobs")
     lf = logits.to(torch.float32)
     logprobs_all = torch.log_softmax(lf, dim=-1) if token_logprobs or num_logprobs else None
     greedy = temperature <= 0
@@ -387,7 +404,7 @@ def sample_planned(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     p = top_p.to(torch.float32)
     mp = min_p.to(torch.float32)
     if plan.candidates:
-        tok_c, ok_c = _candidate_stage(lf, t, k, p, mp, seeds, steps, plan.candidates, plan.full_norm)
+        tok_c, ok_c = _candidate_stage(lf, t, k, p, mp, seeds, steps, plan.candidates, plan.full_norm, col_ids)
         ok_c = ok_c & ~greedy
         tokens = torch.where(ok_c, tok_c, tokens)
         exact = exact | ok_c

@@ -41,6 +41,7 @@ class OrpheusHooks(I.EngineHooks):
         self.output_stage = OrpheusCodecStage(decoder, graphs="auto" if knobs.value("MSTAR_SNAC_GRAPHS") else "off")
         self.accepts = {"voices": list(T.VOICES), "max_input_chars": MAX_INPUT_CHARS, "speeds": [1.0],
                         "sample_rate": self.output_stage.sample_rate}
+        self._cands = None  # [CODES_PER_FRAME, CODEBOOK_SIZE + 1] candidate ids per frame position (_position_ids)
         self._bias = None  # [CODES_PER_FRAME + 1, vocab] additive mask (0 / -inf) per frame position, built on first use
         # the tokens constrain_logits ever allows: the seven codebooks' ranges and end of speech
         audio = torch.arange(T.AUDIO_TOKEN_BASE, T.AUDIO_TOKEN_BASE + T.CODES_PER_FRAME * T.CODEBOOK_SIZE)
@@ -78,6 +79,26 @@ class OrpheusHooks(I.EngineHooks):
             keep = torch.cat([keep, torch.ones_like(keep[:1])])
             self._bias = torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
         return self._bias
+
+    def _position_ids(self) -> torch.Tensor:
+        """[CODES_PER_FRAME, CODEBOOK_SIZE + 1]: row p the tokens _position_bias allows at frame
+        position p, ascending (end of speech, below every audio id, first at p = 0), -1 padding."""
+        if self._cands is None:
+            lo = T.AUDIO_TOKEN_BASE + torch.arange(T.CODES_PER_FRAME) * T.CODEBOOK_SIZE
+            codes = lo[:, None] + torch.arange(T.CODEBOOK_SIZE)[None, :]
+            pad = torch.full((T.CODES_PER_FRAME - 1, 1), -1, dtype=torch.long)
+            ids = torch.cat([torch.cat([torch.tensor([T.END_OF_SPEECH]), codes[0]])[None],
+                             torch.cat([codes[1:], pad], dim=1)])
+            if int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"Orpheus: a vocabulary of {self.vocab_size} ids does not hold every audio token")
+            self._cands = ids.to(self.device)
+        return self._cands
+
+    def candidate_ids(self, request_ids, num_output_tokens):
+        if any(r is None for r in request_ids):
+            return None
+        pos = torch.tensor([n % T.CODES_PER_FRAME for n in num_output_tokens], dtype=torch.long)
+        return self._position_ids()[pos.to(self.device, non_blocking=True)]
 
     def constrain_logits(self, logits, request_ids, num_output_tokens) -> None:
         pos = [n % T.CODES_PER_FRAME if r is not None else T.CODES_PER_FRAME

@@ -146,6 +146,9 @@ class EngineCore:
         # the family's sampleable ids of media requests: the head computes only those (tp 1)
         self._logit_ids = self.hooks.logit_ids if self.tp is None else None
         self._max_allowed = self.hooks.max_allowed_tokens if self._constrain else None
+        # media steps sample on the family's candidate columns (tp 1, a family that lists them)
+        self._candidates = (bool(knobs.value("MSTAR_CANDIDATE_SAMPLING")) and self._logit_ids is not None
+                            and type(self.hooks).candidate_ids is not EngineHooks.candidate_ids)
         self._num_media = 0  # live media sequences
         if self.has_cross and self.admission is None:
             raise ValueError(f"{type(model).__name__} has per-request cross slots but its family declares no "
@@ -551,15 +554,17 @@ class EngineCore:
         if n_sample:
             steps = [s.num_output_tokens for s in sampling]
             rows_s = [s.sampler_row for s in sampling]
-            logits, mf = self.sampling_logits(hidden, sampling, rows_s, steps)
-            if pt is not None:
-                pt.mark(4, sync=True)
             masked = [(b, list(s.stop_ids)) for b, s in enumerate(sampling)
                       if s.num_output_tokens < s.params.min_tokens and s.stop_ids]
             if self._num_begin_suppress:
                 masked += [(b, list(s.begin_suppress_ids)) for b, s in enumerate(sampling)
                            if s.num_output_tokens == 0 and s.begin_suppress_ids]
-            result = self.sampler.sample(logits, rows_s, steps, masked, slots=s_slots, max_finite=mf)
+            columns = not masked and not any(s.params.logprobs is not None for s in sampling)
+            logits, mf, col_ids = self.sampling_logits(hidden, sampling, rows_s, steps, columns)
+            if pt is not None:
+                pt.mark(4, sync=True)
+            result = self.sampler.sample(logits, rows_s, steps, masked, slots=s_slots, max_finite=mf,
+                                         col_ids=col_ids)
             if pt is not None:
                 pt.mark(5)
         elif pt is not None:
@@ -588,13 +593,19 @@ class EngineCore:
             pt.end(len(sched.decode), len(rows.prefill_tokens), len(sched.prefill), self.has_unfinished())
         return outputs
 
-    def sampling_logits(self, hidden: torch.Tensor, seqs: list[Sequence], rows: list[int],
-                        steps: list[int]) -> tuple[torch.Tensor, int | None]:
+    def sampling_logits(self, hidden: torch.Tensor, seqs: list[Sequence], rows: list[int], steps: list[int],
+                        columns: bool = True) -> tuple[torch.Tensor, int | None, torch.Tensor | None]:
         """The sampling rows' float32 logits, ready for the sampler (the synchronous and the
-        overlapped step share this), and the most finite logits a row can have (None: any):
-        the head (over the family's logit_ids alone when every row is a media request of a family
-        that declares them), the static token masks, the family's constraint."""
+        overlapped step share this), the most finite logits a row can have (None: any), and the
+        token of each column (None: column = token id): the head (over the family's logit_ids
+        alone when every row is a media request of a family that declares them; on its
+        candidate columns alone with MSTAR_CANDIDATE_SAMPLING, where `columns` allows: no
+        masked ids, no logprobs), the static token masks, the family's constraint."""
         media_only = self._num_media > 0 and all(s.media for s in seqs)
+        if columns and self._candidates and media_only and not self.token_masks.active:
+            col_ids = self.hooks.candidate_ids([s.request_id for s in seqs], steps)
+            if col_ids is not None:
+                return self.model.compute_logits_at(hidden, self._logit_ids, col_ids), col_ids.shape[1], col_ids
         if self._logit_ids is not None and media_only:
             logits = self.model.compute_logits_of(hidden, self._logit_ids)
         else:
@@ -603,7 +614,7 @@ class EngineCore:
             self.token_masks.apply(logits, rows)
         if self._constrain and self._num_media:
             self.hooks.constrain_logits(logits, [s.request_id if s.media else None for s in seqs], steps)
-        return logits, (self._max_allowed if media_only else None)
+        return logits, (self._max_allowed if media_only else None), None
 
     def max_finite(self, seqs: list[Sequence]) -> int | None:
         """sampling_logits' bound on the finite logits of a row, for a step not yet computed."""

@@ -36,6 +36,13 @@ two agree except within float rounding of a top-p / min-p boundary (sampling.py)
 row the first candidates left undecided. masked ids (min_tokens, a first token's suppression
 list) are `sample`'s only.
 
+Candidate columns (MSTAR_CANDIDATE_SAMPLING): `col_ids` [B, M] says that logits column j of row b
+is token col_ids[b, j] (the row's candidates, ascending, -1 padding with a -inf logit): penalties
+read their masks and counts at those ids, the draw is one stable sort of the M columns with the
+noise keyed on the ids (sampling.whole_row_plan), and the tokens are mapped back to ids before
+anything else sees them. No logprobs and no masked ids on this path (the engine takes it only
+without them).
+
 In-graph decode inputs (MSTAR_INGRAPH_DECODE_TOKENS): with `masters` set (the engine sets it
 once at build, only for a model that reads its decode inputs on the device), `sample` also
 takes each row's master slot (uploaded with the rows and steps, in the same copy) and
@@ -188,16 +195,20 @@ class Sampler:
             pen_sel = slice(None) if len(b_idx) == B else torch.from_numpy(b_idx).to(self.device, non_blocking=True)
         return _Step(idx, row_t, idx[1], self.fparams[:, row_t], self.iparams[:, row_t], rows_np, pen_sel)
 
-    def _penalize(self, logits: torch.Tensor, st: _Step) -> torch.Tensor:
-        """The logits with the penalty rows' repetition / presence / frequency penalties (float32)."""
+    def _penalize(self, logits: torch.Tensor, st: _Step, col_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits with the penalty rows' repetition / presence / frequency penalties (float32);
+        col_ids: the tokens of the logits' columns (the masks and counts are read there)."""
         sel = st.pen_sel
         if sel is None:
             return logits
         logits = logits.float()
         pr = st.row_t[sel]
         fp = st.fp
-        out = ops.apply_penalties(logits[sel], self.prompt_mask[pr], self.output_counts[pr],
-                                  fp[_REP][sel], fp[_PRES][sel], fp[_FREQ][sel])
+        mask, counts = self.prompt_mask[pr], self.output_counts[pr]
+        if col_ids is not None:
+            at = col_ids[sel].clamp_min(0)
+            mask, counts = mask.gather(1, at), counts.gather(1, at)
+        out = ops.apply_penalties(logits[sel], mask, counts, fp[_REP][sel], fp[_PRES][sel], fp[_FREQ][sel])
         if isinstance(sel, slice):
             return out
         logits[sel] = out
@@ -224,6 +235,10 @@ class Sampler:
             return backend
         return None
 
+    @staticmethod
+    def _columns_to_ids(tokens: torch.Tensor, col_ids: torch.Tensor | None) -> torch.Tensor:
+        return tokens if col_ids is None else col_ids.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
     def _plan(self, rows_np: np.ndarray, V: int, max_finite: int | None = None) -> sampling.SamplePlan:
         """The step's plan; the last one is kept (overlapped decode asks on_device, then
         sample_device, for the same rows), until a row's parameters change."""
@@ -237,19 +252,21 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int], steps: list[int],
                masked: list[tuple[int, list[int]]] | None = None, slots: list[int] | None = None,
-               max_finite: int | None = None) -> SampleResult:
+               max_finite: int | None = None, col_ids: torch.Tensor | None = None) -> SampleResult:
         """Sample one token for each row of `logits` [B, V].
 
         rows[b]: the sampler row of logits row b; steps[b]: the index of the output token
         drawn (= tokens generated so far); masked: (b, ids) pairs whose ids must not be drawn;
         slots[b]: the decode master slot of row b (only with `masters` set: the token is
-        written there on the device).
+        written there on the device); col_ids: the token of each column (module docstring).
         """
         B = logits.shape[0]
         V = logits.shape[1]
         scatter = self.masters is not None and slots is not None
         st = self._gather(rows, steps, slots if scatter else None)
-        logits = self._penalize(logits, st)
+        if col_ids is not None and (masked or (self._num_logprobs[st.rows_np] >= 0).any()):
+            raise ValueError("Sampler.sample: candidate columns take no masked ids and no logprobs")
+        logits = self._penalize(logits, st, col_ids)
         if masked:
             # logits is this step's own tensor (compute_logits output): written in place
             ti = [t for _, ids in masked for t in ids if t < V]
@@ -270,13 +287,18 @@ class Sampler:
         else:
             args = self._sample_args(logits, st)
             backend = self._planned_backend()
-            if backend is not None:
+            if col_ids is not None:
+                plan = sampling.whole_row_plan(V, self._greedy[rows_np].any())
+                out = sampling.sample_planned(*args, 0, plan, token_logprobs=False, col_ids=col_ids)
+                tokens, tok_lp, top_ids, top_lp, _ = out
+            elif backend is not None:
                 plan = self._plan(rows_np, V, max_finite)
                 out = sampling.sample_planned(*args, max(n_top, 0), plan, sampling.PLANNED_BACKENDS[backend],
                                               token_logprobs=n_top >= 0)
                 tokens, tok_lp, top_ids, top_lp, _ = out
             else:
                 tokens, tok_lp, top_ids, top_lp = ops.sample(*args, max(n_top, 0))
+        tokens = self._columns_to_ids(tokens, col_ids)
 
         if plan is not None and not plan.complete:
             # the exact flags come back with the tokens, in the same copy
@@ -333,7 +355,7 @@ class Sampler:
         return bool(self._greedy[r].all() and not self._uses_penalty[r].any() and (self._num_logprobs[r] < 0).all())
 
     def sample_device(self, logits: torch.Tensor, rows: list[int], steps: list[int],
-                      max_finite: int | None = None) -> torch.Tensor:
+                      max_finite: int | None = None, col_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`sample`'s tokens for rows that `on_device` accepts, left on the device: [B] int64.
 
         Nothing is read back. Penalties apply and the output counts take the tokens as in
@@ -344,7 +366,7 @@ class Sampler:
         the reference). Without the plan, the reference op (exact, no sync)."""
         V = logits.shape[1]
         st = self._gather(rows, steps)
-        logits = self._penalize(logits, st)
+        logits = self._penalize(logits, st, col_ids)
         rows_np = st.rows_np
         greedy = self._greedy[rows_np]
         if greedy.all():
@@ -352,7 +374,10 @@ class Sampler:
         else:
             args = self._sample_args(logits, st)
             backend = self._planned_backend()
-            if backend is not None:
+            if col_ids is not None:
+                plan = sampling.whole_row_plan(V, greedy.any())
+                tokens = sampling.sample_planned(*args, 0, plan, token_logprobs=False, col_ids=col_ids)[0]
+            elif backend is not None:
                 plan = self._plan(rows_np, V, max_finite)
                 tokens, _, _, _, exact = sampling.sample_planned(*args, 0, plan, sampling.PLANNED_BACKENDS[backend],
                                                                  token_logprobs=False)
@@ -368,5 +393,6 @@ class Sampler:
                         tokens[r] = torch.where(exact[r], tokens[r], ref)
             else:
                 tokens = ops.sample(*args, 0)[0]
+        tokens = self._columns_to_ids(tokens, col_ids)
         self._count(st, tokens)
         return tokens

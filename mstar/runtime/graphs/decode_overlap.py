@@ -164,8 +164,8 @@ class DecodeOverlap:
         what the synchronous path passes for the same token."""
         core = self.core
         steps = [seq.num_output_tokens for seq in seqs]
-        logits, max_finite = core.sampling_logits(hidden, seqs, rows, steps)
-        return core.sampler.sample_device(logits, rows, steps, max_finite)
+        logits, max_finite, col_ids = core.sampling_logits(hidden, seqs, rows, steps)  # (no masks, no logprobs here)
+        return core.sampler.sample_device(logits, rows, steps, max_finite, col_ids)
 
     def finish(self, fl: _Inflight | None = None) -> list[CoreOutput]:
         """Read back a launched step (default: the one in flight): fill the placeholders,
