@@ -151,7 +151,24 @@ def _norm_cases(dtype):
         (ops.fused_add_rms_norm, (x, y, w, EPS, True)),
         (ops.gated_rms_norm, (x, y, w, EPS)),
         (ops.l2_norm, (x, EPS)),
+        (ops.rms_norm_fp32_weight, (x, w, EPS)),
     ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fp32_weight_rounds_once(dtype):
+    """The weight in float32 and one rounding: float64 within one rounding; and where the plain
+    form (rounded before the weight) differs, this one is the nearer to float64."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 96, generator=g) * 3).to(dtype)
+    w = (1 + 0.5 * torch.randn(96, generator=g)).to(dtype)
+    got = ops.rms_norm_fp32_weight(x, w, EPS)
+    y64 = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+    step = torch.finfo(dtype).eps * y64.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((got.double() - y64).abs() <= step + 1e-6 * y64.abs()).all()
+    plain = ops.rms_norm(x, w, EPS, False)
+    if dtype != torch.float32:
+        assert (got.double() - y64).abs().sum() < (plain.double() - y64).abs().sum()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

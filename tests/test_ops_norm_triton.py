@@ -65,6 +65,16 @@ for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bf
                             d_s=(gs.float() - rs.float()).abs().max().item(),
                             scale=max(ry.float().abs().max().item(), rp.float().abs().max().item(), 1.0),
                             s_scale=rs.float().abs().max().item()))
+        # the weight in float32, one rounding (Cosmos3's Nemotron form); also over heads [rows, 2, width // 2]
+        for xs in (x, x.reshape(rows, 2, width // 2)):
+            ws = w if xs.dim() == 2 else w[: width // 2]
+            rf = norm.rms_norm_fp32_weight.backends["reference"].fn(xs, ws, 1e-6)
+            gf = tn.rms_norm_fp32_weight(xs, ws, 1e-6)
+            y64 = (xs.double() * torch.rsqrt(xs.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * ws.double()
+            out.append(dict(fp32w=True, dtype=str(dtype), seed=seed, shape_ok=gf.shape == xs.shape and gf.dtype == dtype,
+                            d_y=(gf.float() - rf.float()).abs().max().item(),
+                            d_f64=(gf.double() - y64).abs().max().item(),
+                            scale=max(rf.float().abs().max().item(), 1.0)))
 print(json.dumps(out))
 """
 
@@ -72,8 +82,13 @@ print(json.dumps(out))
 def test_triton_layer_norm_in_the_interpreter():
     got = run_interpreted(_SCRIPT)
     rms = [c for c in got if c.get("rms")]
-    rows = [c for c in got if not c.get("rms")]
-    assert len(rows) == 3 * len(CASES) and len(rms) == 2 * len(rows)
+    fp32w = [c for c in got if c.get("fp32w")]
+    rows = [c for c in got if not c.get("rms") and not c.get("fp32w")]
+    assert len(rows) == 3 * len(CASES) and len(rms) == 2 * len(rows) and len(fp32w) == 2 * len(rows)
+    for c in fp32w:  # one rounding: within one step of the output's dtype of the reference and of float64
+        assert c["shape_ok"], c
+        step = 1e-5 if c["dtype"] == "torch.float32" else 2.0 ** -7
+        assert c["d_y"] <= step * c["scale"] and c["d_f64"] <= step * c["scale"], c
     for c in rms:
         if c["dtype"] == "torch.float32":
             assert c["d_y"] < 1e-5 * c["scale"] and c["d_s"] == 0.0, c

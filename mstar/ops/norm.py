@@ -1,4 +1,4 @@
-"""Normalisation ops: RMSNorm (plain and zero-centred), fused residual-add + RMSNorm,
+"""Normalisation ops: RMSNorm (plain, zero-centred, and with the weight in float32), fused residual-add + RMSNorm,
 gated RMSNorm, L2 norm. All compute in float32 and return the input dtype."""
 
 from __future__ import annotations
@@ -28,6 +28,19 @@ def _rms_norm_fake(x, weight, eps, zero_centered):
 rms_norm = define_op(
     "rms_norm", "(Tensor x, Tensor weight, float eps, bool zero_centered) -> Tensor",
     reference=_rms_norm_ref, fake=_rms_norm_fake)
+
+
+def _rms_norm_fp32_weight_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / rms(x) * w with the weight multiplied in float32 and one rounding (the form of
+    Nemotron's RMSNorm, which Cosmos3 uses): rms_norm's plain form rounds before the weight."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * y).to(x.dtype)
+
+
+rms_norm_fp32_weight = define_op(
+    "rms_norm_fp32_weight", "(Tensor x, Tensor weight, float eps) -> Tensor",
+    reference=_rms_norm_fp32_weight_ref, fake=lambda x, weight, eps: torch.empty_like(x))
 
 
 def _fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -69,4 +82,4 @@ def _l2_norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
 l2_norm = define_op("l2_norm", "(Tensor x, float eps) -> Tensor",
                     reference=_l2_norm_ref, fake=lambda x, eps: torch.empty_like(x))
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "gated_rms_norm", "l2_norm"]
+__all__ = ["rms_norm", "rms_norm_fp32_weight", "fused_add_rms_norm", "gated_rms_norm", "l2_norm"]

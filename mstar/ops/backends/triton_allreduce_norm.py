@@ -91,7 +91,7 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
         src = tl.multiple_of(tl.load(buf_addrs_ptr + q).to(tl.pointer_type(dt)), 16)
         acc += tl.load(src + row64 * n_cols + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     s = add_residual(acc.to(dt).to(tl.float32), res_ptr, res_out_ptr, row64, cols, mask, res_stride, n_cols)
-    store_rms_norm(s, w_ptr, out_ptr, row64, cols, mask, n_cols, n_cols, eps, ZERO_CENTERED)
+    store_rms_norm(s, w_ptr, out_ptr, row64, cols, mask, n_cols, n_cols, eps, ZERO_CENTERED, ZERO_CENTERED)
 
 
 def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

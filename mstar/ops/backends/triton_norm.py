@@ -36,26 +36,29 @@ def load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride,
 
 
 @triton.jit
-def store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED: tl.constexpr):
-    """RMSNorm of the float32 row x, weighted, stored in out's dtype."""
+def store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED: tl.constexpr,
+                   ROUND_ONCE: tl.constexpr):
+    """RMSNorm of the float32 row x, weighted (by 1 + w when ZERO_CENTERED), stored in out's dtype;
+    rounded once (ROUND_ONCE), or before the weight too, as transformers' Qwen3RMSNorm."""
     var = tl.sum(x * x, axis=0) / n_cols
     y = x * tl.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
-    else:  # the plain form rounds before the weight, as transformers' Qwen3RMSNorm
+    if not ROUND_ONCE:
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
-                     eps, ZERO_CENTERED: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, ZERO_CENTERED: tl.constexpr, ROUND_ONCE: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = load_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, x_stride, res_stride, out_stride, HAS_RES)
-    store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED)
+    store_rms_norm(x, w_ptr, out_ptr, row, cols, mask, n_cols, out_stride, eps, ZERO_CENTERED, ROUND_ONCE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -81,11 +84,17 @@ def launch_row_norm(kernel, x, residual, params: tuple, eps: float, **meta):
 
 
 def rms_norm(x, weight, eps, zero_centered):
-    return launch_row_norm(_rms_norm_kernel, x, None, (weight,), eps, ZERO_CENTERED=zero_centered)[0]
+    return launch_row_norm(_rms_norm_kernel, x, None, (weight,), eps, ZERO_CENTERED=zero_centered,
+                           ROUND_ONCE=zero_centered)[0]
+
+
+def rms_norm_fp32_weight(x, weight, eps):
+    return launch_row_norm(_rms_norm_kernel, x, None, (weight,), eps, ZERO_CENTERED=False, ROUND_ONCE=True)[0]
 
 
 def fused_add_rms_norm(x, residual, weight, eps, zero_centered):
-    return launch_row_norm(_rms_norm_kernel, x, residual, (weight,), eps, ZERO_CENTERED=zero_centered)
+    return launch_row_norm(_rms_norm_kernel, x, residual, (weight,), eps, ZERO_CENTERED=zero_centered,
+                           ROUND_ONCE=zero_centered)
 
 
 @triton.jit
@@ -131,7 +140,8 @@ def l2_norm(x, eps):
     return out.view(x.shape)
 
 
-for _op, _fn in ((norm.rms_norm, rms_norm), (norm.fused_add_rms_norm, fused_add_rms_norm),
+for _op, _fn in ((norm.rms_norm, rms_norm), (norm.rms_norm_fp32_weight, rms_norm_fp32_weight),
+                 (norm.fused_add_rms_norm, fused_add_rms_norm),
                  (norm.gated_rms_norm, gated_rms_norm), (norm.l2_norm, l2_norm)):
     register_backend(_op, "triton", _fn, devices=("cuda",), available=_cuda, priority=20,
                      note="one program per row")
