@@ -44,6 +44,30 @@ def test_silu_and_mul_vs_float64(dtype, shape):
     torch.testing.assert_close(out.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_relu_square_vs_float64_and_in_the_triton_interpreter(dtype):
+    """relu(x)^2 is one rounding of the exact square (the square of a 16-bit float is exact in
+    float32, the Triton kernel's arithmetic): equal to the float64 value rounded once (in the
+    interpreter, within its truncating cast)."""
+    x = _rand(7, 5, 131, dtype=dtype, scale=3.0)
+    out = ops.relu_square(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, x.double().clamp_min(0).square().to(dtype))
+    from triton_interpreter import run_interpreted
+    got = run_interpreted(f"""
+import json, torch
+from mstar.ops.backends import triton_elementwise as te
+x = (torch.randn(3, 4099, generator=torch.Generator().manual_seed(5)) * 3).to(torch.{str(dtype).split('.')[-1]})
+y = te.relu_square(x[:, 1:])  # a strided view
+want = x[:, 1:].double().clamp_min(0).square().to(x.dtype)
+d = (y.double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)
+print(json.dumps([d.max().item(), list(y.shape), y.is_contiguous(), bool((y >= 0).all())]))
+""")
+    # the interpreter casts to 16-bit floats by truncation (the GPU rounds to nearest): one step
+    step = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    assert got[0] <= step and got[1:] == [[3, 4098], True, True], got
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("shape", [(13, 320), (2, 7, 64)])
@@ -233,6 +257,7 @@ def test_opcheck_activation_rotary(dtype):
     torch.library.opcheck(ops.silu_and_mul.overload, (_rand(2, 3, 2 * 16, dtype=dtype),))
     torch.library.opcheck(ops.gelu.overload, (x, "none"))
     torch.library.opcheck(ops.gelu.overload, (x, "tanh"))
+    torch.library.opcheck(ops.relu_square.overload, (x,))
     cache = ops.build_cos_sin_cache(512, 64, 10000.0)
     pos = _positions(9, 512)
     for rd in (64, 32):

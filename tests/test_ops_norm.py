@@ -152,6 +152,7 @@ def _norm_cases(dtype):
         (ops.gated_rms_norm, (x, y, w, EPS)),
         (ops.l2_norm, (x, EPS)),
         (ops.rms_norm_fp32_weight, (x, w, EPS)),
+        (ops.fused_add_rms_norm_fp32_weight, (x, y, w, EPS)),
     ]
 
 
@@ -169,6 +170,15 @@ def test_rms_norm_fp32_weight_rounds_once(dtype):
     plain = ops.rms_norm(x, w, EPS, False)
     if dtype != torch.float32:
         assert (got.double() - y64).abs().sum() < (plain.double() - y64).abs().sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_fp32_weight_is_the_add_then_the_norm(dtype):
+    g = torch.Generator().manual_seed(4)
+    x, r = ((torch.randn(33, 80, generator=g) * 2).to(dtype) for _ in range(2))
+    w = (1 + 0.5 * torch.randn(80, generator=g)).to(dtype)
+    y, s = ops.fused_add_rms_norm_fp32_weight(x, r, w, EPS)
+    assert torch.equal(s, x + r) and torch.equal(y, ops.rms_norm_fp32_weight(x + r, w, EPS))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

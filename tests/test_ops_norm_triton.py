@@ -75,6 +75,11 @@ for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bf
                             d_y=(gf.float() - rf.float()).abs().max().item(),
                             d_f64=(gf.double() - y64).abs().max().item(),
                             scale=max(rf.float().abs().max().item(), 1.0)))
+        ry, rs = norm.fused_add_rms_norm_fp32_weight.backends["reference"].fn(x, r, w, 1e-6)
+        gy, gs = tn.fused_add_rms_norm_fp32_weight(x, r, w, 1e-6)
+        out.append(dict(rms=True, dtype=str(dtype), seed=seed, zc=None,
+                        d_y=(gy.float() - ry.float()).abs().max().item(), d_s=(gs.float() - rs.float()).abs().max().item(),
+                        scale=max(ry.float().abs().max().item(), 1.0), s_scale=rs.float().abs().max().item()))
 print(json.dumps(out))
 """
 
@@ -84,7 +89,7 @@ def test_triton_layer_norm_in_the_interpreter():
     rms = [c for c in got if c.get("rms")]
     fp32w = [c for c in got if c.get("fp32w")]
     rows = [c for c in got if not c.get("rms") and not c.get("fp32w")]
-    assert len(rows) == 3 * len(CASES) and len(rms) == 2 * len(rows) and len(fp32w) == 2 * len(rows)
+    assert len(rows) == 3 * len(CASES) and len(rms) == 3 * len(rows) and len(fp32w) == 2 * len(rows)
     for c in fp32w:  # one rounding: within one step of the output's dtype of the reference and of float64
         assert c["shape_ok"], c
         step = 1e-5 if c["dtype"] == "torch.float32" else 2.0 ** -7

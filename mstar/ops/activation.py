@@ -1,4 +1,5 @@
-"""Activation ops: the gated SiLU of SwiGLU MLPs, GELU, and a linear layer followed by GELU.
+"""Activation ops: the gated SiLU of SwiGLU MLPs, GELU, a linear layer followed by GELU, and
+relu(x)^2 (the squared-ReLU MLPs).
 They compute the activation in float32 and return the input dtype; outputs are always fresh
 contiguous tensors."""
 
@@ -23,6 +24,15 @@ def _silu_and_mul_fake(x):
 
 silu_and_mul = define_op("silu_and_mul", "(Tensor x) -> Tensor",
                          reference=_silu_and_mul_ref, fake=_silu_and_mul_fake)
+
+
+def _relu_square_ref(x: torch.Tensor) -> torch.Tensor:
+    """relu(x) ** 2 in x's dtype (one rounding of the square: exact in float32 for bf16 / fp16 x)."""
+    return F.relu(x).square()
+
+
+relu_square = define_op("relu_square", "(Tensor x) -> Tensor", reference=_relu_square_ref,
+                        fake=lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def _gelu_ref(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -63,4 +73,4 @@ linear_gelu = define_op("linear_gelu", "(Tensor x, Tensor weight, Tensor bias, s
 register_backend(linear_gelu, "cublaslt", _linear_gelu_cublaslt, devices=("cuda",), available=torch.cuda.is_available,
                  priority=10, note="one cuBLASLt GEMM with the bias + GELU-tanh epilogue (torch._addmm_activation)")
 
-__all__ = ["silu_and_mul", "gelu", "linear_gelu"]
+__all__ = ["silu_and_mul", "relu_square", "gelu", "linear_gelu"]

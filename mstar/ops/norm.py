@@ -43,6 +43,19 @@ rms_norm_fp32_weight = define_op(
     reference=_rms_norm_fp32_weight_ref, fake=lambda x, weight, eps: torch.empty_like(x))
 
 
+def _fused_add_rms_norm_fp32_weight_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_fp32_weight(x + residual), x + residual), the sum rounded to the activation dtype."""
+    s = x + residual
+    return _rms_norm_fp32_weight_ref(s, weight, eps), s
+
+
+fused_add_rms_norm_fp32_weight = define_op(
+    "fused_add_rms_norm_fp32_weight", "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    reference=_fused_add_rms_norm_fp32_weight_ref,
+    fake=lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
+
+
 def _fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                             zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm of the next sub-layer and the new residual."""
@@ -82,4 +95,4 @@ def _l2_norm_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
 l2_norm = define_op("l2_norm", "(Tensor x, float eps) -> Tensor",
                     reference=_l2_norm_ref, fake=lambda x, eps: torch.empty_like(x))
 
-__all__ = ["rms_norm", "rms_norm_fp32_weight", "fused_add_rms_norm", "gated_rms_norm", "l2_norm"]
+__all__ = ["rms_norm", "rms_norm_fp32_weight", "fused_add_rms_norm", "fused_add_rms_norm_fp32_weight", "gated_rms_norm", "l2_norm"]

@@ -26,7 +26,10 @@ down(relu(up(x)) ** 2); the timestep t (integer) scaled by timestep_scale in flo
 sinusoid (cos half first) through time_embedder (float32 weights, diffusers'
 _keep_in_fp32_modules), cast to the model dtype and added to every vision token. Attention scale
 1 / sqrt(head_dim). The rotary tables come from rope.py; rotation is ops.rotary_embedding (NeoX
-halves, float32, rounded once; diffusers rotates in the model dtype: the same in float32).
+halves, float32, rounded once; diffusers rotates in the model dtype: the same in float32). The
+norms are ops.rms_norm_fp32_weight, and in the generation tower each residual add with the norm
+after it one ops.fused_add_rms_norm_fp32_weight (a layer hands its MLP output to the next layer's
+first norm); the MLP's relu^2 is ops.relu_square: on CUDA one kernel each.
 
 Batches: `understand` takes any number of prompts (ragged rows, one causal attention call);
 `generate` takes R rows of one grid, each with its own latents row, timestep, cached prompt K/V
@@ -75,6 +78,10 @@ class NemotronRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm_fp32_weight(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(x + y), x + y): the residual add and the norm after it, one kernel on CUDA."""
+        return ops.fused_add_rms_norm_fp32_weight(x, y, self.weight, self.eps)
+
 
 class ReLU2MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -83,7 +90,7 @@ class ReLU2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        return self.down_proj(ops.relu_square(self.up_proj(x)))
 
 
 class TimestepMLP(nn.Module):
@@ -179,19 +186,27 @@ class Cosmos3Layer(nn.Module):
         x = x + attn.to_out(o.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x)), kg, v
 
-    def generate(self, x: torch.Tensor, table: torch.Tensor, und: list[tuple[torch.Tensor, torch.Tensor]],
-                 q_indptr: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
-        """x [R * S, hidden] (R rows of S vision tokens); und: per row its prompt's (k, v) of this layer."""
+    def generate(self, x: torch.Tensor, mlp_out: torch.Tensor | None, table: torch.Tensor,
+                 und: list[tuple[torch.Tensor, torch.Tensor]], q_indptr: torch.Tensor,
+                 kv_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R * S, hidden] (R rows of S vision tokens) + mlp_out (the previous layer's MLP output,
+        None at the first layer) is the layer's input; und: per row its prompt's (k, v) of this
+        layer. Returns (x after the attention's residual, this layer's MLP output): the next layer
+        adds the two in the kernel of its first norm."""
         attn = self.self_attn
-        q, k, v = attn.generation_qkv(self.input_layernorm_moe_gen(x), table)
+        if mlp_out is None:
+            h = self.input_layernorm_moe_gen(x)
+        else:
+            h, x = self.input_layernorm_moe_gen.add_forward(x, mlp_out)
+        q, k, v = attn.generation_qkv(h, table)
         s = x.shape[0] // len(und)
         keys, values = [], []
         for r, (uk, uv) in enumerate(und):  # row r attends to [its prompt ; its vision tokens]
             keys += [uk, k[r * s:(r + 1) * s]]
             values += [uv, v[r * s:(r + 1) * s]]
         o = ops.dense_attention(q, torch.cat(keys), torch.cat(values), q_indptr, kv_indptr, attn.scale, False)
-        x = x + attn.to_add_out(o.flatten(1))
-        return x + self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(x))
+        h, x = self.post_attention_layernorm_moe_gen.add_forward(x, attn.to_add_out(o.flatten(1)))
+        return x, self.mlp_moe_gen(h)
 
 
 class Cosmos3Transformer(nn.Module):
@@ -306,9 +321,10 @@ class Cosmos3Transformer(nn.Module):
         ks, vs = kv[0::2], kv[1::2]
         q_indptr = _indptr([S] * R)
         kv_indptr = _indptr([k.shape[1] + S for k in ks])
+        mlp_out = None
         for i, layer in enumerate(self.layers):
-            x = layer.generate(x, table, [(k[i], v[i]) for k, v in zip(ks, vs)], q_indptr, kv_indptr)
-        out = self.proj_out(self.norm_moe_gen(x))
+            x, mlp_out = layer.generate(x, mlp_out, table, [(k[i], v[i]) for k, v in zip(ks, vs)], q_indptr, kv_indptr)
+        out = self.proj_out(self.norm_moe_gen.add_forward(x, mlp_out)[0] if mlp_out is not None else self.norm_moe_gen(x))
         return self.unpatchify(out.view(R, S, -1), (T, h, w))
 
 

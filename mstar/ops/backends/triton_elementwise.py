@@ -1,5 +1,5 @@
-"""Triton kernels for the element-wise ops: SiLU-and-mul, rotary embedding (NeoX, partial),
-and the KV append into pages. Each moves its bytes once."""
+"""Triton kernels for the element-wise ops: SiLU-and-mul, relu(x)^2, rotary embedding (NeoX,
+partial), and the KV append into pages. Each moves its bytes once."""
 
 from __future__ import annotations
 
@@ -37,6 +37,23 @@ def silu_and_mul(x):
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x2, out, d, x2.stride(0), BLOCK=block)
     return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _relu_square_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.maximum(tl.load(x_ptr + i, mask=mask, other=0.0).to(tl.float32), 0.0)
+    tl.store(out_ptr + i, (x * x).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def relu_square(x):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _relu_square_kernel[(triton.cdiv(n, 4096),)](x, out, n, BLOCK=4096)
+    return out
 
 
 @triton.jit
@@ -168,6 +185,7 @@ def kv_append(k, v, k_cache, v_cache, slot_mapping):
 
 
 register_backend(activation.silu_and_mul, "triton", silu_and_mul, available=_cuda, priority=20)
+register_backend(activation.relu_square, "triton", relu_square, available=_cuda, priority=20)
 register_backend(rotary.rotary_embedding, "triton", rotary_embedding, available=_cuda, priority=20)
 register_backend(attention.kv_append, "triton", kv_append, available=_cuda, priority=20)
 register_backend(rotary.qk_norm_rope, "triton", qk_norm_rope, available=_cuda, priority=20,

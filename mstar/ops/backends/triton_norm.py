@@ -92,6 +92,10 @@ def rms_norm_fp32_weight(x, weight, eps):
     return launch_row_norm(_rms_norm_kernel, x, None, (weight,), eps, ZERO_CENTERED=False, ROUND_ONCE=True)[0]
 
 
+def fused_add_rms_norm_fp32_weight(x, residual, weight, eps):
+    return launch_row_norm(_rms_norm_kernel, x, residual, (weight,), eps, ZERO_CENTERED=False, ROUND_ONCE=True)
+
+
 def fused_add_rms_norm(x, residual, weight, eps, zero_centered):
     return launch_row_norm(_rms_norm_kernel, x, residual, (weight,), eps, ZERO_CENTERED=zero_centered,
                            ROUND_ONCE=zero_centered)
@@ -142,6 +146,7 @@ def l2_norm(x, eps):
 
 for _op, _fn in ((norm.rms_norm, rms_norm), (norm.rms_norm_fp32_weight, rms_norm_fp32_weight),
                  (norm.fused_add_rms_norm, fused_add_rms_norm),
+                 (norm.fused_add_rms_norm_fp32_weight, fused_add_rms_norm_fp32_weight),
                  (norm.gated_rms_norm, gated_rms_norm), (norm.l2_norm, l2_norm)):
     register_backend(_op, "triton", _fn, devices=("cuda",), available=_cuda, priority=20,
                      note="one program per row")
