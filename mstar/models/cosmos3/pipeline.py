@@ -39,60 +39,27 @@ with "field: message".
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from mstar.models import interfaces as I
 from mstar.models.cosmos3 import rope
+from mstar.models.generation_request import (FieldLimits, GenerationFields, field_error, initial_noise, media_outputs,
+                                             parse_size, read_fields)
 from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
 MAX_STEPS = 200
 
 
-@dataclass
-class Params:
-    """A request's validated generation parameters."""
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    num_frames: int  # as asked; the VAE makes 1 + 4 * ((num_frames - 1) // 4)
-    video: bool  # VideoFrames out (num_frames given), else an Image
-    fps: float
-    steps: int
-    guidance: float
-    flow_shift: float
+class Params(GenerationFields):
+    """A request's validated generation parameters (num_frames as asked: the VAE makes
+    1 + 4 * ((num_frames - 1) // 4))."""
 
     @property
     def cfg(self) -> bool:
         return self.guidance != 1.0  # diffusers' test: guidance 0.5 still runs the uncond branch
-
-
-def _bad(field: str, msg: str) -> ValueError:
-    return ValueError(f"{field}: {msg}")
-
-
-def _number(inputs: dict, name: str, default, kind=float):
-    v = inputs.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-        raise _bad(name, f"must be a finite number, got {v!r}")
-    if kind is int:
-        if float(v) != int(v):
-            raise _bad(name, f"must be an integer, got {v!r}")
-        return int(v)
-    return float(v)
-
-
-def _size(s: str) -> tuple[int, int]:
-    w, h = (int(v) for v in s.split("x"))
-    return w, h
 
 
 class Cosmos3Pipeline(I.Pipeline):
@@ -110,12 +77,14 @@ class Cosmos3Pipeline(I.Pipeline):
         self.max_frames, self.fps, self.flow_shift = int(max_frames), float(fps), float(flow_shift)
         self.defaults = {False: tuple(image_defaults), True: tuple(video_defaults)}  # by `video`
         self.max_input_chars, self.max_steps = int(max_input_chars), int(max_steps)
+        self.limits = FieldLimits(self.sizes, self.max_frames, self.fps, self.max_steps, self.max_input_chars,
+                                  self.defaults.__getitem__, self.flow_shift)
         vcfg = vae.config
         self.spatial, self.temporal = int(vcfg.scale_factor_spatial), int(vcfg.scale_factor_temporal)
         transformer.config.check_vae(int(vcfg.z_dim), self.temporal)
         step = self.spatial * int(transformer.config.latent_patch_size)
         for s in self.sizes + tuple(d[0] for d in self.defaults.values()):
-            w, h = _size(s)
+            w, h = parse_size(s)
             if w % step or h % step:
                 raise ValueError(f"cosmos3: size {s} is not a multiple of {step} (VAE x patch)")
         mb = max(1, int(max_batch or 8))
@@ -135,41 +104,10 @@ class Cosmos3Pipeline(I.Pipeline):
     # -- requests ---------------------------------------------------------------------------------
     def params(self, inputs: dict[str, Any]) -> Params:
         """The request's parameters; ValueError("field: message") for what it cannot take."""
-        prompt, neg = inputs.get("prompt"), inputs.get("negative_prompt")
-        if not isinstance(prompt, str):
-            raise _bad("prompt", "a text prompt is required")
-        neg = "" if neg is None else neg
-        if not isinstance(neg, str):
-            raise _bad("negative_prompt", "must be a string")
-        for name, text in (("prompt", prompt), ("negative_prompt", neg)):
-            if len(text) > self.max_input_chars:
-                raise _bad(name, f"{len(text)} characters; at most {self.max_input_chars}")
         if inputs.get("image") is not None:
-            raise _bad("image", "this model does not take an input image (text to image and text to video only)")
-        n = _number(inputs, "num_frames", None, int)
-        video = n is not None
-        size, steps, guidance = self.defaults[video]
-        w, h = _number(inputs, "width", None, int), _number(inputs, "height", None, int)
-        if w is None or h is None:
-            w, h = _size(size)
-        if f"{w}x{h}" not in self.sizes:
-            raise _bad("size", f"{w}x{h} is not supported by this model; use one of {', '.join(self.sizes)}")
-        n = 1 if n is None else n
-        if not 1 <= n <= self.max_frames:
-            raise _bad("num_frames", f"{n} frames; this model makes 1 to {self.max_frames}")
-        fps = _number(inputs, "fps", self.fps)
-        if not fps > 0:
-            raise _bad("fps", f"must be positive, got {fps:g}")
-        steps = _number(inputs, "num_inference_steps", steps, int)
-        if not 1 <= steps <= self.max_steps:
-            raise _bad("num_inference_steps", f"must be in [1, {self.max_steps}], got {steps}")
-        g = _number(inputs, "guidance_scale", guidance)
-        if g < 0:
-            raise _bad("guidance_scale", f"must be >= 0, got {g:g}")
-        shift = _number(inputs, "flow_shift", self.flow_shift)
-        if not shift > 0:
-            raise _bad("flow_shift", f"must be positive, got {shift:g}")
-        return Params(prompt, neg, w, h, n, video, fps, steps, g, shift)
+            raise field_error("image", "this model does not take an input image (text to image and text to video "
+                                       "only)")
+        return read_fields(inputs, self.limits, Params)
 
     def latent_frames(self, p: Params) -> int:
         return 1 + (p.num_frames - 1) // self.temporal
@@ -192,10 +130,7 @@ class Cosmos3Pipeline(I.Pipeline):
                 p.width // self.spatial)
 
     def noise(self, p: Params, seed: int) -> torch.Tensor:
-        """diffusers' prepare_latents with generator=torch.Generator().manual_seed(seed): float32 noise
-        drawn on the CPU, then moved to the device."""
-        g = torch.Generator().manual_seed(int(seed))
-        return torch.randn(self.latent_shape(p), generator=g, dtype=torch.float32).to(self.device)
+        return initial_noise(self.latent_shape(p), seed, self.device)
 
     def prompt_ids(self, p: Params) -> list[list[int]]:
         """[cond ids] or, with guidance, [cond ids, uncond ids]."""
@@ -288,13 +223,7 @@ class Cosmos3Pipeline(I.Pipeline):
     def decode(self, reqs: list[I.MediaRequest]) -> list[list]:
         ps = [self.params(r.inputs) for r in reqs]
         z = torch.cat([r.inputs["previous"][0] for r in reqs]).to(self.vae.dtype)
-        video = self.vae.decode(self.vae.denormalize_latents(z))  # [B, 3, F, H, W] in [-1, 1]
-        px = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        frames = (px * 255).round().astype(np.uint8)  # [B, F, H, W, 3]
-        out = []
-        for p, f in zip(ps, frames):
-            out.append([I.VideoFrames(np.ascontiguousarray(f), p.fps)] if p.video else [I.Image(f[0].copy())])
-        return out
+        return media_outputs(self.vae.decode(self.vae.denormalize_latents(z)), ps)
 
 
 __all__ = ["MAX_INPUT_CHARS", "MAX_STEPS", "Params", "Cosmos3Pipeline"]

@@ -46,7 +46,6 @@ pipeline cannot take fails in the first stage's batch_key, alone, with "field: m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from mstar.models import interfaces as I
+from mstar.models.generation_request import FieldLimits, field_error, initial_noise, media_outputs, read_fields
 from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
@@ -85,23 +85,6 @@ def round_frames(n: int, temporal: int = 4) -> int:
     if n % temporal != 1:
         n = n // temporal * temporal + 1
     return max(n, 1)
-
-
-def _bad(field: str, msg: str) -> ValueError:
-    return ValueError(f"{field}: {msg}")
-
-
-def _number(inputs: dict, name: str, default, kind=float):
-    v = inputs.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-        raise _bad(name, f"must be a finite number, got {v!r}")
-    if kind is int:
-        if float(v) != int(v):
-            raise _bad(name, f"must be an integer, got {v!r}")
-        return int(v)
-    return float(v)
 
 
 def image_tensor(image: np.ndarray, width: int, height: int) -> torch.Tensor:
@@ -139,6 +122,9 @@ class WanPipeline(I.Pipeline):
         self.guidance_scale = float(guidance_scale)
         self.max_input_chars = int(max_input_chars)
         self.max_steps = int(max_steps)
+        # every mode's default size is the first; shift None: the scheduler config's
+        self.limits = FieldLimits(self.sizes, self.max_frames, self.fps, self.max_steps, self.max_input_chars,
+                                  lambda video: (self.sizes[0], self.num_inference_steps, self.guidance_scale))
         vcfg = vae.config
         self.spatial, self.temporal = int(vcfg.scale_factor_spatial), int(vcfg.scale_factor_temporal)
         if transformer.config.in_channels != vcfg.z_dim:
@@ -170,49 +156,18 @@ class WanPipeline(I.Pipeline):
     # -- requests ---------------------------------------------------------------------------------
     def params(self, inputs: dict[str, Any]) -> Params:
         """The request's parameters; ValueError("field: message") for what it cannot take."""
-        prompt = inputs.get("prompt")
-        if not isinstance(prompt, str):
-            raise _bad("prompt", "a text prompt is required")
-        neg = inputs.get("negative_prompt")
-        neg = "" if neg is None else neg
-        if not isinstance(neg, str):
-            raise _bad("negative_prompt", "must be a string")
-        for name, text in (("prompt", prompt), ("negative_prompt", neg)):
-            if len(text) > self.max_input_chars:
-                raise _bad(name, f"{len(text)} characters; at most {self.max_input_chars}")
-        w, h = _number(inputs, "width", None, int), _number(inputs, "height", None, int)
-        if w is None or h is None:
-            w, h = (int(v) for v in self.sizes[0].split("x"))
-        size = f"{w}x{h}"
-        if size not in self.sizes:
-            raise _bad("size", f"{size} is not supported by this model; use one of {', '.join(self.sizes)}")
-        n = _number(inputs, "num_frames", None, int)
-        video = n is not None
-        if n is None:
-            n = 1
-        if not 1 <= n <= self.max_frames:
-            raise _bad("num_frames", f"{n} frames; this model makes 1 to {self.max_frames}")
-        fps = _number(inputs, "fps", self.fps)
-        if not fps > 0:
-            raise _bad("fps", f"must be positive, got {fps:g}")
-        steps = _number(inputs, "num_inference_steps", self.num_inference_steps, int)
-        if not 1 <= steps <= self.max_steps:
-            raise _bad("num_inference_steps", f"must be in [1, {self.max_steps}], got {steps}")
-        g = _number(inputs, "guidance_scale", self.guidance_scale)
-        if g < 0:
-            raise _bad("guidance_scale", f"must be >= 0, got {g:g}")
-        shift = _number(inputs, "flow_shift", None)
-        if shift is not None and not shift > 0:
-            raise _bad("flow_shift", f"must be positive, got {shift:g}")
+        f = read_fields(inputs, self.limits)
         image = inputs.get("image")
         if image is not None:
             if not self.expand_timesteps:
-                raise _bad("image", "this model does not take an input image (its model_index.json has no "
-                                    "expand_timesteps: only the Wan2.2 TI2V kind conditions on the first frame)")
+                raise field_error("image", "this model does not take an input image (its model_index.json has no "
+                                           "expand_timesteps: only the Wan2.2 TI2V kind conditions on the first "
+                                           "frame)")
             if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
                     or image.shape[2] != 3 or min(image.shape[:2]) < 1:
-                raise _bad("image", "must be a uint8 RGB array [height, width, 3]")
-        return Params(prompt, neg, w, h, round_frames(n, self.temporal), video, fps, steps, g, shift, image)
+                raise field_error("image", "must be a uint8 RGB array [height, width, 3]")
+        return Params(f.prompt, f.negative_prompt, f.width, f.height, round_frames(f.num_frames, self.temporal),
+                      f.video, f.fps, f.steps, f.guidance, f.flow_shift, image)
 
     def check(self, req: I.MediaRequest):
         """The first stage's key: every request is encoded with the others; refuses bad inputs."""
@@ -232,10 +187,7 @@ class WanPipeline(I.Pipeline):
                 p.height // self.spatial, p.width // self.spatial)
 
     def noise(self, p: Params, seed: int) -> torch.Tensor:
-        """diffusers' prepare_latents with generator=torch.Generator().manual_seed(seed): float32 noise
-        drawn on the CPU, then moved to the device."""
-        g = torch.Generator().manual_seed(int(seed))
-        return torch.randn(self.latent_shape(p), generator=g, dtype=torch.float32).to(self.device)
+        return initial_noise(self.latent_shape(p), seed, self.device)
 
     # -- stage 0: text ------------------------------------------------------------------------------
     def encode(self, reqs: list[I.MediaRequest]) -> list[list]:
@@ -343,13 +295,7 @@ class WanPipeline(I.Pipeline):
     def decode(self, reqs: list[I.MediaRequest]) -> list[list]:
         ps = [self.params(r.inputs) for r in reqs]
         z = torch.cat([r.inputs["previous"][0] for r in reqs]).to(self.vae.dtype)
-        video = self.vae.decode(self.vae.denormalize_latents(z))  # [B, 3, F, H, W] in [-1, 1]
-        px = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-        frames = (px * 255).round().astype(np.uint8)  # [B, F, H, W, 3]
-        out = []
-        for p, f in zip(ps, frames):
-            out.append([I.VideoFrames(np.ascontiguousarray(f), p.fps)] if p.video else [I.Image(f[0].copy())])
-        return out
+        return media_outputs(self.vae.decode(self.vae.denormalize_latents(z)), ps)
 
 
 __all__ = ["MAX_INPUT_CHARS", "Params", "round_frames", "image_tensor", "WanPipeline"]
