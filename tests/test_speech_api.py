@@ -216,7 +216,8 @@ def test_bad_requests_kokoro(kokoro):
 def test_bad_requests_orpheus(orpheus):
     s = orpheus
     for body, param in (({"input": "x", "speed": 1.5}, "speed"), ({"input": "x", "voice": "bob"}, "voice"),
-                        ({"input": " "}, "input"), ({"phonemes": "abc"}, "input"),
+                        ({"input": " "}, "input"), ({"phonemes": "abc"}, "phonemes"),
+                        ({"input": "x", "phonemes": "abc"}, "phonemes"),  # a text model reads no phonemes
                         # the family's hooks refuse these in the engine (media_request: "field: message")
                         ({"input": "x", "instructions": "whisper"}, "instructions"),
                         ({"input": "x", "instructions": "whisper", "stream_format": "sse"}, "instructions"),

@@ -76,7 +76,8 @@ class KokoroPipeline(I.Pipeline):
         if not voices.names:
             raise ValueError("kokoro: no voices (a checkpoint directory needs voices/<name>.pt)")
         super().__init__(stages=[I.OneShotStage(self.run, batch_key=self.batch_key, max_batch=max_batch)],
-                         accepts={"voices": voices.names, "max_input_chars": int(max_input_chars)})
+                         accepts={"voices": voices.names, "max_input_chars": int(max_input_chars),
+                                  "phonemes": True})
         self.model = model
         self.voices = voices
         self.vocab = dict(model.config.vocab)

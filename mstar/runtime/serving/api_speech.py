@@ -30,7 +30,8 @@ POST /v1/audio/speech, OpenAI's schema plus vLLM-Omni's extras:
     max_new_tokens   a speech LM's most audio tokens, 1..65536
     language         a string of at most 32 characters (engine inputs["language"]: Kokoro's
                      espeak-ng language for the text)
-    phonemes         the model's phoneme string, used instead of the text's (Kokoro); at most 4x
+    phonemes         the model's phoneme string, used instead of the text's, for a model whose
+                     accepts["phonemes"] says it reads one (Kokoro; others answer 400); at most 4x
                      the input limit (engine inputs["phonemes"])
     stream           true: as stream_format "sse" when stream_format is absent (vLLM-Omni's field)
     task_type, ref_audio, ref_text, initial_codec_chunk_frames, non_streaming_mode
@@ -157,6 +158,9 @@ def parse_speech(server, body: dict) -> tuple[dict, int, str, str | None]:
     limit = _max_chars(server, MAX_SPEECH_CHARS)
     phonemes = P._str(body, "phonemes")
     if phonemes is not None:
+        if not server.accepts.get("phonemes"):
+            raise bad("phonemes", "Invalid 'phonemes': this model reads the text of 'input', not a phoneme string.",
+                      "invalid_value")
         if not phonemes.strip():
             raise bad("phonemes", "Invalid 'phonemes': the string is empty.", "invalid_value")
         if len(phonemes) > PHONEMES_PER_CHAR * limit:
