@@ -36,6 +36,7 @@ Tolerances (float32), relative to the reference's largest magnitude:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -263,6 +264,35 @@ def test_cached_understanding_equals_recomputing_it(ref):
     both = tr.understand([uncond, cond], [table(uncond), table(cond)])
     assert _rel(both[1].k, cached.k) < 1e-6 and _rel(both[1].v, cached.v) < 1e-6
     assert both[0].length == len(uncond) != len(cond)
+
+
+def test_fused_generation_projections_equal_the_three(ref):
+    """The loaded model's generation q / k / v projections are one matrix, their parameters views
+    of it (the diffusers state dict unchanged); its step equals the three projections' step within
+    float32 rounding, and moving the model undoes the fusion."""
+    _, res, pipe = ref
+    inputs, _ = _inputs(RUNS["v"])
+    p = pipe.params(inputs)
+    cond, _ = pipe.prompt_ids(p)
+    last = res["v"]["calls"][-2]
+    tr = pipe.transformer
+    attn = [layer.self_attn for layer in tr.layers]
+    assert all(a._gen_qkv is not None for a in attn)
+    w = attn[0]._gen_qkv[0]
+    assert attn[0].add_k_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    assert set(tr.state_dict()) >= {"layers.0.self_attn.add_q_proj.weight", "layers.0.self_attn.add_v_proj.weight"}
+    fused = _generate(pipe, cond, last["latents"], last["t"], p)
+    saved = [a._gen_qkv for a in attn]
+    try:
+        for a in attn:
+            a._gen_qkv = None
+        three = _generate(pipe, cond, last["latents"], last["t"], p)
+    finally:
+        for a, g in zip(attn, saved):
+            a._gen_qkv = g
+    assert _rel(fused, three) < 1e-5 and not torch.equal(fused, torch.zeros_like(fused))
+    moved = copy.deepcopy(tr).to(torch.float64)
+    assert all(layer.self_attn._gen_qkv is None for layer in moved.layers)
 
 
 # -- whole runs -------------------------------------------------------------------------------------------

@@ -44,6 +44,21 @@ def test_reference_is_the_composed_path(hq, hk, d, rd, zc, gated):
     assert (q[2, 1].double() - want).abs().max().item() < 1e-5
 
 
+def test_fp32_weight_form_is_the_composed_path():
+    """qk_norm_rope_fp32_weight: split, rms_norm_fp32_weight of each q / k head, rotary (bit for bit)."""
+    from mstar.ops.norm import _rms_norm_fp32_weight_ref
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, pos, qw, kw, cache = _inputs(4, 2, 32, 32, False, dtype, seed=11)
+        q, k, v = rotary.qk_norm_rope_fp32_weight.backends["reference"].fn(qkv, pos, qw, kw, cache, 4, 2, 32, 32,
+                                                                           1e-6)
+        q0, k0, v0, _ = rotary.split_qkv_heads(qkv, 4, 2, 32, False)
+        q1, k1 = rotary.rotary_embedding.backends["reference"].fn(
+            pos, _rms_norm_fp32_weight_ref(q0.contiguous(), qw, 1e-6), _rms_norm_fp32_weight_ref(k0.contiguous(), kw,
+                                                                                                 1e-6), cache, 32)
+        assert torch.equal(q, q1) and torch.equal(k, k1) and torch.equal(v, v0)
+        torch.library.opcheck(rotary.qk_norm_rope_fp32_weight.overload, (qkv, pos, qw, kw, cache, 4, 2, 32, 32, 1e-6))
+
+
 _SCRIPT = r"""
 import json, torch
 from mstar.ops import rotary
@@ -57,12 +72,19 @@ for dtype in (torch.float32, torch.bfloat16):
         got = te.qk_norm_rope(*args, hq, hk, d, rd, 1e-6, zc, gated)
         out.append([str(dtype)] + [(a.float() - b.float()).abs().max().item() for a, b in zip(ref, got)]
                    + [a.float().abs().max().item() for a in ref[:2]])
+        if not gated:  # the fp32-weight form (Cosmos3's heads)
+            ref = rotary.qk_norm_rope_fp32_weight.backends["reference"].fn(*args, hq, hk, d, rd, 1e-6)
+            got = te.qk_norm_rope_fp32_weight(*args, hq, hk, d, rd, 1e-6)
+            out.append([str(dtype)] + [(a.float() - b.float()).abs().max().item() for a, b in zip(ref, got)]
+                       + [a.float().abs().max().item() for a in ref[:2]])
 print(json.dumps(out))
 """
 
 
 def test_triton_kernel_in_the_interpreter():
-    for dtype, dq, dk, dv, mq, mk in run_interpreted(_SCRIPT):
+    got = run_interpreted(_SCRIPT)
+    assert len(got) == 2 * (len(SHAPES) + sum(not s[5] for s in SHAPES))
+    for dtype, dq, dk, dv, mq, mk in got:
         assert dv == 0.0
         if dtype == "torch.float32":
             assert dq < 1e-5 and dk < 1e-5, (dq, dk)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.ops.norm import _rms_norm_ref
+from mstar.ops.norm import _rms_norm_fp32_weight_ref, _rms_norm_ref
 from mstar.ops.registry import define_op
 
 
@@ -108,4 +108,31 @@ qk_norm_rope = define_op(
     "-> (Tensor, Tensor, Tensor)",
     reference=_qk_norm_rope_ref, fake=_qk_norm_rope_fake)
 
-__all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "split_qkv_heads"]
+
+
+def _qk_norm_rope_fp32_weight_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                                  k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                                  num_kv_heads: int, head_dim: int, rotary_dim: int, eps: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qk_norm_rope with the head norms of rms_norm_fp32_weight (the weight in float32, one
+    rounding: Nemotron's, Cosmos3's) -> contiguous q, k, v."""
+    q, k, v, _ = split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, False)
+    q = _rms_norm_fp32_weight_ref(q.contiguous(), q_weight, eps)
+    k = _rms_norm_fp32_weight_ref(k.contiguous(), k_weight, eps)
+    q, k = _rotary_embedding_ref(positions, q, k, cos_sin_cache, rotary_dim)
+    return q, k, v.clone(memory_format=torch.contiguous_format)
+
+
+def _qk_norm_rope_fp32_weight_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+                                   head_dim, rotary_dim, eps):
+    return _qk_norm_rope_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                              rotary_dim, eps, False, False)
+
+
+qk_norm_rope_fp32_weight = define_op(
+    "qk_norm_rope_fp32_weight",
+    "(Tensor qkv, Tensor positions, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, int num_q_heads, "
+    "int num_kv_heads, int head_dim, int rotary_dim, float eps) -> (Tensor, Tensor, Tensor)",
+    reference=_qk_norm_rope_fp32_weight_ref, fake=_qk_norm_rope_fp32_weight_fake)
+
+__all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "qk_norm_rope_fp32_weight", "split_qkv_heads"]

@@ -86,7 +86,7 @@ def random_transformer(raw: dict, seed: int, device, dtype):
         torch.manual_seed(int(seed))
         with dev:
             model = Cosmos3Transformer(cfg)
-    return model.to_dtype(dtype).eval().requires_grad_(False)
+    return model.to_dtype(dtype).eval().requires_grad_(False).fuse_projections()
 
 
 def cosmos3_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,

@@ -29,7 +29,9 @@ _keep_in_fp32_modules), cast to the model dtype and added to every vision token.
 halves, float32, rounded once; diffusers rotates in the model dtype: the same in float32). The
 norms are ops.rms_norm_fp32_weight, and in the generation tower each residual add with the norm
 after it one ops.fused_add_rms_norm_fp32_weight (a layer hands its MLP output to the next layer's
-first norm); the MLP's relu^2 is ops.relu_square: on CUDA one kernel each.
+first norm); the MLP's relu^2 is ops.relu_square: on CUDA one kernel each. A built model's
+generation q / k / v projections are one matrix (fuse_projections): one GEMM, then the head norms
+and the rotary in one ops.qk_norm_rope_fp32_weight.
 
 Batches: `understand` takes any number of prompts (ragged rows, one causal attention call);
 `generate` takes R rows of one grid, each with its own latents row, timestep, cached prompt K/V
@@ -140,6 +142,31 @@ class Cosmos3Attention(nn.Module):
         self.norm_added_q = NemotronRMSNorm(d, c.rms_norm_eps)
         self.norm_added_k = NemotronRMSNorm(d, c.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(d)
+        self._gen_qkv: tuple | None = None  # (weight, bias) of add_q / k / v_proj as one matrix
+
+    def fuse_generation_qkv(self) -> None:
+        """add_q_proj, add_k_proj and add_v_proj as the rows of one weight (their parameters become
+        views of it: names and state dict stay diffusers'), so the generation tower's q, k, v come
+        from one GEMM and its head norms and rotary from one op. Moving or loading the module
+        afterwards undoes it (the three projections again)."""
+        mods = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        rows = [m.weight.shape[0] for m in mods]
+        with torch.no_grad():
+            w = torch.cat([m.weight for m in mods])
+            b = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+        for i, (m, part) in enumerate(zip(mods, w.split(rows))):
+            m.weight = nn.Parameter(part, requires_grad=False)
+            if b is not None:
+                m.bias = nn.Parameter(b.split(rows)[i], requires_grad=False)
+        self._gen_qkv = (w, b)
+
+    def _apply(self, fn, recurse=True):
+        self._gen_qkv = None  # the parameters get storage of their own: no longer views of the fused weight
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._gen_qkv = None
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def understanding_qkv(self, h: torch.Tensor, table: torch.Tensor):
         """h [N, hidden] (normed) -> (q, k, k_for_gen, v): q and k rotated for the causal attention,
@@ -157,6 +184,11 @@ class Cosmos3Attention(nn.Module):
     def generation_qkv(self, h: torch.Tensor, table: torch.Tensor):
         """h [N, hidden] (normed) -> (q, k, v) of the vision tokens, q and k normed and rotated."""
         n, hq, hkv, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self._gen_qkv is not None:
+            qkv = F.linear(h, *self._gen_qkv)
+            pos = torch.arange(n, device=h.device)
+            return ops.qk_norm_rope_fp32_weight(qkv, pos, self.norm_added_q.weight, self.norm_added_k.weight, table,
+                                                hq, hkv, d, d, self.norm_added_q.eps)
         q = self.norm_added_q(self.add_q_proj(h).view(n, hq, d))
         k = self.norm_added_k(self.add_k_proj(h).view(n, hkv, d))
         v = self.add_v_proj(h).view(n, hkv, d)
@@ -229,6 +261,13 @@ class Cosmos3Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.proj_out.weight.device
+
+    def fuse_projections(self) -> "Cosmos3Transformer":
+        """Every layer's generation q / k / v projections as one matrix (Cosmos3Attention
+        .fuse_generation_qkv): the last step of building a model on its device and dtype."""
+        for layer in self.layers:
+            layer.self_attn.fuse_generation_qkv()
+        return self
 
     def to_dtype(self, dtype: torch.dtype) -> "Cosmos3Transformer":
         """Everything in dtype except time_embedder (float32, as diffusers keeps it)."""

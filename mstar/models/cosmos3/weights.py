@@ -66,7 +66,7 @@ def load_transformer(path: str, device="cpu", dtype: torch.dtype | None = torch.
     load_state(model, read_state(path))
     if dtype is not None:
         model.to_dtype(dtype)
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False).fuse_projections()
 
 
 __all__ = ["UNUSED_PREFIXES", "unused", "read_config", "read_state", "load_state", "build_meta", "load_transformer"]

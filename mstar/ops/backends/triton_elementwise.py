@@ -92,9 +92,10 @@ def _rotate(positions, x, cache, rotary_dim):
 
 @triton.jit
 def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, cache_ptr, dst_ptr, eps, n_heads,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, ZC: tl.constexpr):
-    # one program per (token, head): RMSNorm of the head (rounded as ops.rms_norm rounds), then
-    # rotary over its first 2 * HALF dims (rounded as ops.rotary_embedding rounds)
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    # one program per (token, head): RMSNorm of the head (rounded as ops.rms_norm rounds: NORM 0
+    # plain, 1 zero-centred; 2 as ops.rms_norm_fp32_weight), then rotary over its first 2 * HALF
+    # dims (rounded as ops.rotary_embedding rounds)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = src_ptr + t * src_tok_stride + h * src_head_stride
@@ -109,14 +110,18 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
     w1 = tl.load(w_ptr + i).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
     ty = dst_ptr.dtype.element_ty
-    if ZC:
-        y = (x * inv * (1.0 + w)).to(ty)
-        y1 = (x1 * (1.0 + w1)).to(ty).to(tl.float32)
-        y2 = (x2 * (1.0 + w2)).to(ty).to(tl.float32)
-    else:
+    if NORM == 0:  # rounded before the weight too
         y = ((x * inv).to(ty).to(tl.float32) * w).to(ty)
         y1 = (x1.to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
         y2 = (x2.to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
+    else:  # the weight (1 + w when zero-centred) in float32, one rounding
+        if NORM == 1:
+            w = 1.0 + w
+            w1 = 1.0 + w1
+            w2 = 1.0 + w2
+        y = (x * inv * w).to(ty)
+        y1 = (x1 * w1).to(ty).to(tl.float32)
+        y2 = (x2 * w2).to(ty).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cache_ptr + pos * (2 * HALF) + i)
     sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i)
@@ -126,26 +131,42 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
     tl.store(out + HALF + i, (y2 * cos + y1 * sin).to(ty))
 
 
-def _norm_rope(x, positions, weight, cache, eps, zero_centered, rotary_dim):
+def _norm_rope(x, positions, weight, cache, eps, norm: int, rotary_dim):
     t, h, d = x.shape
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
         _norm_rope_kernel[(t, h)](x, x.stride(0), x.stride(1), positions, weight, cache, out, eps, h, D=d,
-                                  BLOCK_D=triton.next_power_of_2(d), HALF=rotary_dim // 2, ZC=zero_centered)
+                                  BLOCK_D=triton.next_power_of_2(d), HALF=rotary_dim // 2, NORM=norm)
     return out
+
+
+def _qk_norm_rope(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                  rotary_dim, eps, norm: int, gated: bool):
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    q, k, v, _ = rotary.split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
+    return (_norm_rope(q, positions, q_weight, cache, eps, norm, rotary_dim),
+            _norm_rope(k, positions, k_weight, cache, eps, norm, rotary_dim),
+            v.clone(memory_format=torch.contiguous_format))
+
+
+def _kernel_takes(qkv, rotary_dim: int) -> bool:
+    return rotary_dim // 2 == triton.next_power_of_2(rotary_dim // 2) and qkv.stride(-1) == 1
 
 
 def qk_norm_rope(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                  rotary_dim, eps, zero_centered, gated):
-    if rotary_dim // 2 != triton.next_power_of_2(rotary_dim // 2) or qkv.stride(-1) != 1:
-        return rotary.qk_norm_rope.backends["reference"].fn(qkv, positions, q_weight, k_weight, cos_sin_cache,
-                                                             num_q_heads, num_kv_heads, head_dim, rotary_dim, eps,
-                                                             zero_centered, gated)
-    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
-    q, k, v, _ = rotary.split_qkv_heads(qkv, num_q_heads, num_kv_heads, head_dim, gated)
-    return (_norm_rope(q, positions, q_weight, cache, eps, zero_centered, rotary_dim),
-            _norm_rope(k, positions, k_weight, cache, eps, zero_centered, rotary_dim),
-            v.clone(memory_format=torch.contiguous_format))
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps)
+    if not _kernel_takes(qkv, rotary_dim):
+        return rotary.qk_norm_rope.backends["reference"].fn(*args, zero_centered, gated)
+    return _qk_norm_rope(*args, 1 if zero_centered else 0, gated)
+
+
+def qk_norm_rope_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                             rotary_dim, eps):
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps)
+    if not _kernel_takes(qkv, rotary_dim):
+        return rotary.qk_norm_rope_fp32_weight.backends["reference"].fn(*args)
+    return _qk_norm_rope(*args, 2, False)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
@@ -189,4 +210,6 @@ register_backend(activation.relu_square, "triton", relu_square, available=_cuda,
 register_backend(rotary.rotary_embedding, "triton", rotary_embedding, available=_cuda, priority=20)
 register_backend(attention.kv_append, "triton", kv_append, available=_cuda, priority=20)
 register_backend(rotary.qk_norm_rope, "triton", qk_norm_rope, available=_cuda, priority=20,
+                 note="norm + rotary of each q / k head in one kernel")
+register_backend(rotary.qk_norm_rope_fp32_weight, "triton", qk_norm_rope_fp32_weight, available=_cuda, priority=20,
                  note="norm + rotary of each q / k head in one kernel")
