@@ -327,6 +327,13 @@ def test_dense_attention_reference_and_sdpa(causal):
     ip = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
     assert torch.allclose(dense_attention_sdpa(qe, ke, ke, ip, ip, 0.25, causal),
                           ops.dense_attention(qe, ke, ke, ip, ip, 0.25, causal), atol=1e-5)
+    # runs of rows of one shape (guided rows of two prompt lengths): one call a run, the same attention
+    ql, kl = [3, 3, 3, 2, 2], [9, 9, 6, 6, 6]
+    qr, kr = torch.randn(sum(ql), hq, d, generator=g), torch.randn(sum(kl), hkv, d, generator=g)
+    qri = torch.tensor([0, *np.cumsum(ql)], dtype=torch.int32)
+    kri = torch.tensor([0, *np.cumsum(kl)], dtype=torch.int32)
+    assert torch.allclose(dense_attention_sdpa(qr, kr, kr, qri, kri, 0.2, causal),
+                          ops.dense_attention(qr, kr, kr, qri, kri, 0.2, causal), atol=1e-5)
     # the cudnn backend's kernel order (on CPU: what remains of it) gives the same attention
     from mstar.ops.dense_attention import dense_attention_cudnn
     assert torch.allclose(dense_attention_cudnn(q, k, v, qi, ki, 0.3, causal), out, atol=1e-5)

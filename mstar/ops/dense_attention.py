@@ -119,20 +119,27 @@ def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_in
     rows = len(qo) - 1
     if rows <= 0 or q.shape[0] == 0:
         return q.new_zeros(q.shape)
-    qlens = {qo[i + 1] - qo[i] for i in range(rows)}
-    kvlens = {kvp[i + 1] - kvp[i] for i in range(rows)}
-    if len(qlens) == 1 and len(kvlens) == 1 and qo[0] == 0 and kvp[0] == 0 \
-            and qo[-1] == q.shape[0] and kvp[-1] == k.shape[0]:
-        n, L = qlens.pop(), kvlens.pop()
-        o = _sdpa(q.view(rows, n, *q.shape[1:]), k.view(rows, L, *k.shape[1:]),
-                  v.view(rows, L, *v.shape[1:]), scale, causal, prefer_cudnn)
-        return o.reshape(q.shape)
-    out = q.new_zeros(q.shape)
-    for i in range(rows):
-        q0, q1, k0, k1 = qo[i], qo[i + 1], kvp[i], kvp[i + 1]
-        if q1 > q0:
-            out[q0:q1] = _sdpa(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, prefer_cudnn)[0]
-    return out
+    # runs of consecutive rows with the same query and key lengths: one batched call each (guided
+    # rows of one prompt length, the same prompt in several requests)
+    shape = [(qo[i + 1] - qo[i], kvp[i + 1] - kvp[i]) for i in range(rows)]
+    runs, start = [], 0
+    for i in range(1, rows + 1):
+        if i == rows or shape[i] != shape[start]:
+            runs.append((start, i))
+            start = i
+    whole = qo[0] == 0 and kvp[0] == 0 and qo[-1] == q.shape[0] and kvp[-1] == k.shape[0]
+    out = None if len(runs) == 1 and whole else q.new_zeros(q.shape)
+    for a, b in runs:
+        n, L = shape[a]
+        if n == 0:
+            continue
+        q0, q1, k0, k1 = qo[a], qo[b], kvp[a], kvp[b]
+        o = _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
+                  v[k0:k1].view(b - a, L, *v.shape[1:]), scale, causal, prefer_cudnn).reshape(q1 - q0, *q.shape[1:])
+        if out is None:
+            return o
+        out[q0:q1] = o
+    return out if out is not None else q.new_zeros(q.shape)
 
 
 def dense_attention_cudnn(q, k, v, q_indptr, kv_indptr, scale: float, causal: bool) -> torch.Tensor:
