@@ -344,17 +344,19 @@ def test_dense_attention_reference_and_sdpa(causal):
 @pytest.mark.gpu
 def test_dense_attention_cudnn_on_cuda():
     """cuDNN's kernel at a Wan DiT shape (2 rows of 3,510 tokens, 24 heads x 128, bf16), a
-    Whisper encoder's (1,500 frames, 20 x 64) and grouped heads as Cosmos3's (16 q / 8 kv heads)
-    against the float32 reference."""
+    Whisper encoder's (1,500 frames, 20 x 64) and grouped heads as Cosmos3's (16 q / 8 kv heads;
+    non-causal, and causal prompts as its understanding tower runs them) against the float32
+    reference."""
     from mstar import ops
     from mstar.ops.dense_attention import dense_attention_cudnn
     assert ops.dense_attention.selected("cuda") == "cudnn"
-    for rows, n, h, hkv, d in ((2, 3510, 24, 24, 128), (3, 1500, 20, 20, 64), (2, 900, 16, 8, 128)):
+    for rows, n, h, hkv, d, causal in ((2, 3510, 24, 24, 128, False), (3, 1500, 20, 20, 64, False),
+                                       (2, 900, 16, 8, 128, False), (2, 300, 16, 8, 128, True)):
         q = torch.randn(rows * n, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(rows * n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         ip = torch.arange(rows + 1, dtype=torch.int32) * n
-        got = dense_attention_cudnn(q, k, v, ip, ip, d ** -0.5, False).float()
-        want = ops.dense_attention.backends["reference"].fn(q, k, v, ip, ip, d ** -0.5, False).float()
+        got = dense_attention_cudnn(q, k, v, ip, ip, d ** -0.5, causal).float()
+        want = ops.dense_attention.backends["reference"].fn(q, k, v, ip, ip, d ** -0.5, causal).float()
         assert (got - want).abs().max().item() < 2e-2
 
 

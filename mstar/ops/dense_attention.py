@@ -87,13 +87,16 @@ dense_attention = define_op(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
           prefer_cudnn: bool = False) -> torch.Tensor:
-    """q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype. Grouped heads (Hkv < Hq)
-    without a mask go in as they are (enable_gqa: flash and the math kernel take them, cuDNN reads
-    them natively), not repeated into a copy of the keys and values; with the causal mask they are
-    repeated (flash takes no mask, and the efficient kernel no grouped heads)."""
+    """q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype.
+
+    Causal with n == L (a prompt attending to itself) is SDPA's is_causal; causal with n < L (the
+    queries are the last n of the L positions) needs the explicit bottom-right mask. Grouped heads
+    (Hkv < Hq) without a mask go in as they are (enable_gqa: flash and the math kernel take them,
+    cuDNN reads them natively), not repeated into a copy of the keys and values; with the mask
+    they are repeated (flash takes no mask, and the efficient kernel no grouped heads)."""
     n, L = q.shape[1], k.shape[1]
-    mask = None
-    if causal and n > 1:
+    mask, is_causal = None, causal and n > 1 and n == L
+    if causal and 1 < n < L:
         qpos = torch.arange(L - n, L, device=q.device)
         mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
     g = q.shape[2] // k.shape[2]
@@ -101,12 +104,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
         k = k.repeat_interleave(g, dim=2)
         v = v.repeat_interleave(g, dim=2)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    gqa = q.shape[2] != k.shape[2]
+    kw = dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     if prefer_cudnn:
         with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
-            o = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(*args, **kw)
     else:
-        o = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(*args, **kw)
     return o.transpose(1, 2)
 
 
