@@ -29,16 +29,9 @@ def _is_torch_dtype(x) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.dtype)
 
-# CPU has no "free memory" figure worth trusting; caches get this many bytes by default.
+# CPU has no "free memory" figure worth trusting; caches get this many bytes by default. On CUDA
+# they get memory_plan.CACHE_FRACTION of the free device memory (after the model is loaded).
 CPU_CACHE_BYTES = 1 << 30
-# Fraction of free device memory (after the model is loaded) given to caches on CUDA.
-
-
-def __getattr__(name: str):
-    if name == "CUDA_CACHE_FRACTION":  # the models' constant (memory_plan.py imports torch)
-        from mstar.models.memory_plan import CACHE_FRACTION
-        return CACHE_FRACTION
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -61,7 +54,7 @@ class EngineConfig:
     seed: int = 0
     # None: sized with the caches (hybrid models with prefix caching only)
     num_snapshot_slots: int | None = None
-    cache_memory_bytes: int | None = None  # None: see CPU_CACHE_BYTES / CUDA_CACHE_FRACTION
+    cache_memory_bytes: int | None = None  # None: see CPU_CACHE_BYTES / memory_plan.CACHE_FRACTION
     # decode-only steps: "auto" replays CUDA graphs on CUDA (cuda_graphs.py) and runs eagerly
     # elsewhere; "off" always eager; "static" the graphs' fixed buffers and padding without
     # capturing (any device: how CPU tests check the graph path's inputs)

@@ -223,9 +223,9 @@ class TensorParallel:
         ranks after loading (every rank allocates the same pages and slots)."""
         if self.device.type != "cuda" or config.cache_memory_bytes is not None:
             return config
-        from mstar.runtime.engine.config import CUDA_CACHE_FRACTION
+        from mstar.models.memory_plan import CACHE_FRACTION
         free0, _ = torch.cuda.mem_get_info(self.device)
-        return dataclasses.replace(config, cache_memory_bytes=int(min([free0, *self._frees]) * CUDA_CACHE_FRACTION))
+        return dataclasses.replace(config, cache_memory_bytes=int(min([free0, *self._frees]) * CACHE_FRACTION))
 
     def cache_manager(self, *a, **kw) -> MirroredCacheManager:
         """Rank 0's caches; the followers are told the sizes first and allocate theirs meanwhile."""
