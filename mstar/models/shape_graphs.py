@@ -13,8 +13,8 @@ kept (least recently used dropped, with their memory pool): continuous batching 
 batch size as requests join and leave, and every size is its own graph.
 
 Also here, for every graph runner (the runtime's decode and prefill graphs, the Qwen3-TTS frame
-and codec graphs): `capture_after_first_use` and the padded batch sizes (`padded_sizes`,
-`padded_batch`).
+and codec graphs, the SNAC window graphs): `capture_after_first_use`, the padded batch sizes
+(`padded_sizes`, `padded_batch`) and the models' graph modes (`graph_mode`).
 
 The first call of a signature is eager because it warms the function's own caches (rotary tables,
 kernel autotuning, cuDNN plans) outside the capture, where allocations of persistent tensors would
@@ -66,6 +66,19 @@ def padded_batch(rows: int, max_batch: int | None = None) -> int:
     smaller (padded_sizes(max_batch) holds every answer)."""
     b = rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
     return b if max_batch is None else min(b, max_batch)
+
+
+def graph_mode(graphs: str, device: torch.device, what: str) -> str:
+    """A graph runner's mode: "off" (as calls come), "cuda" (padded shapes replayed from CUDA
+    graphs), "static" (the same padding, eagerly: how CPU tests check it); "auto" is "cuda" on a
+    CUDA device, else "off". ValueError (naming `what`) for another value, or "cuda" off CUDA."""
+    if graphs == "auto":
+        graphs = "cuda" if device.type == "cuda" else "off"
+    if graphs not in ("off", "cuda", "static"):
+        raise ValueError(f"{what}: graphs={graphs!r} (off | cuda | static | auto)")
+    if graphs == "cuda" and device.type != "cuda":
+        raise ValueError(f"{what}: CUDA graphs on a {device.type} model")
+    return graphs
 
 
 def _signature(leaves: list[torch.Tensor], spec) -> tuple:
@@ -152,4 +165,4 @@ def denoiser_step(fn: Callable[..., torch.Tensor]) -> ShapeGraphs:
     return ShapeGraphs(fn, max_graphs=max(graphs, 1), enabled=graphs > 0)
 
 
-__all__ = ["ShapeGraphs", "denoiser_step", "capture_after_first_use", "padded_sizes", "padded_batch"]
+__all__ = ["ShapeGraphs", "denoiser_step", "capture_after_first_use", "graph_mode", "padded_sizes", "padded_batch"]

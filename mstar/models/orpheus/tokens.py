@@ -23,9 +23,7 @@ code.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:  # torch loads with the functions that need it: the family's declaration reads the constants
     import torch

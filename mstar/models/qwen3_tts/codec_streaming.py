@@ -26,7 +26,7 @@ from typing import Hashable
 import torch
 
 from mstar.models.qwen3_tts.codec import Qwen3TTSCodecDecoder
-from mstar.models.shape_graphs import ShapeGraphs, padded_batch
+from mstar.models.shape_graphs import ShapeGraphs, graph_mode, padded_batch
 
 MAX_CODEC_GRAPHS = 8  # shapes kept (rows x frames), least recently used dropped
 
@@ -43,11 +43,7 @@ class CodecStatePool:
 
     def __init__(self, decoder: Qwen3TTSCodecDecoder, capacity: int = 4, graphs: str = "off"):
         self.decoder = decoder
-        if graphs == "auto":
-            graphs = "cuda" if decoder.device.type == "cuda" else "off"
-        if graphs not in ("off", "cuda", "static"):
-            raise ValueError(f"codec state pool: graphs={graphs!r} (off | cuda | static | auto)")
-        self.graphs = graphs
+        self.graphs = graphs = graph_mode(graphs, decoder.device, "codec state pool")
         self._first = int(graphs != "off")  # slot 0 is the padding rows' when graphs pad
         with torch.inference_mode():
             self.history = decoder.empty_history(self._first + capacity)

@@ -39,6 +39,7 @@ from mstar.models.qwen3_tts.config import SUPPRESSED_TAIL, Qwen3TTSConfig
 from mstar.models.qwen3_tts.frame_graphs import FixedSampler, FrameGraphs, site_plan
 from mstar.models.qwen3_tts.prompt import TalkerPrompt
 from mstar.models.qwen3_tts.talker import KVPool, PageTable, Talker
+from mstar.models.shape_graphs import graph_mode
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,7 @@ class TalkerGenerator:
         self.talker, self.config, self.tc = talker, config, config.talker
         self.device = talker.codec_head.weight.device
         self.G = self.tc.num_code_groups
-        if graphs == "auto":
-            graphs = "cuda" if self.device.type == "cuda" else "off"
-        if graphs not in ("off", "cuda", "static"):
-            raise ValueError(f"qwen3-tts: graphs={graphs!r} (off | cuda | static | auto)")
-        if graphs == "cuda" and self.device.type != "cuda":
-            raise ValueError(f"qwen3-tts: CUDA graphs on a {self.device.type} model")
+        graphs = graph_mode(graphs, self.device, "qwen3-tts")
         self.pool = KVPool(talker, num_pages + (graphs != "off"), page_size)
         self.pad_page = int(self.pool.take(1)[0]) if graphs != "off" else None
         talker.code_predictor.bind_cache(max_rows)

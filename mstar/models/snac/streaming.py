@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar.models.shape_graphs import ShapeGraphs, padded_batch
+from mstar.models.shape_graphs import ShapeGraphs, graph_mode, padded_batch
 from mstar.models.snac.model import SNACDecoder
 
 CODES_PER_FRAME = 7
@@ -108,13 +108,9 @@ class WindowDecoder:
     other kernels for another batch size)."""
 
     def __init__(self, decoder: SNACDecoder, noise: bool = True, graphs: str = "off"):
-        if graphs == "auto":
-            graphs = "cuda" if decoder.device.type == "cuda" else "off"
-        if graphs not in ("off", "cuda", "static"):
-            raise ValueError(f"SNAC window decoder: graphs={graphs!r} (off | cuda | static | auto)")
         self.decoder = decoder
         self.noise = bool(noise)
-        self.graphs = graphs
+        self.graphs = graphs = graph_mode(graphs, decoder.device, "SNAC window decoder")
         self._forward = ShapeGraphs(self._window_audio, max_graphs=MAX_WINDOW_GRAPHS, enabled=graphs == "cuda",
                                     capture_first=True)
         self._stream = None
