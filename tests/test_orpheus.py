@@ -170,7 +170,7 @@ def test_candidate_sampling_gives_the_default_tokens(release, engine):
     for rid, _, _, n in reqs:
         assert got[rid]["tokens"] == want[rid]["tokens"] and len(got[rid]["tokens"]) == n
         assert np.array_equal(audio(got[rid]), audio(want[rid]))
-    ids = cand.hooks._position_ids()
+    ids = cand.hooks._cands
     assert ids.shape == (7, 4097) and ids[0, 0].item() == T.END_OF_SPEECH and (ids[1:, -1] == -1).all()
     assert all(bool((r[r >= 0].diff() > 0).all()) for r in ids)  # ascending
 

@@ -41,13 +41,20 @@ class OrpheusHooks(I.EngineHooks):
         self.output_stage = OrpheusCodecStage(decoder, graphs="auto" if knobs.value("MSTAR_SNAC_GRAPHS") else "off")
         self.accepts = {"voices": list(T.VOICES), "max_input_chars": MAX_INPUT_CHARS, "speeds": [1.0],
                         "sample_rate": self.output_stage.sample_rate}
-        self._cands = None  # [CODES_PER_FRAME, CODEBOOK_SIZE + 1] candidate ids per frame position (_position_ids)
+        # row p: the tokens frame position p allows, ascending (end of speech, below every audio id,
+        # first at p = 0: speech ends only at a frame boundary), -1 padding; the one source of the
+        # head's ids, the constraint's mask and the candidate columns
+        lo = T.AUDIO_TOKEN_BASE + torch.arange(T.CODES_PER_FRAME) * T.CODEBOOK_SIZE
+        codes = lo[:, None] + torch.arange(T.CODEBOOK_SIZE)[None, :]
+        pad = torch.full((T.CODES_PER_FRAME - 1, 1), -1, dtype=torch.long)
+        cands = torch.cat([torch.cat([torch.tensor([T.END_OF_SPEECH]), codes[0]])[None],
+                           torch.cat([codes[1:], pad], dim=1)])
+        if int(cands.max()) >= self.vocab_size:
+            raise ValueError(f"Orpheus: a vocabulary of {self.vocab_size} ids does not hold every audio token")
+        self._cands = cands.to(self.device)  # [CODES_PER_FRAME, CODEBOOK_SIZE + 1]
+        self.logit_ids = cands[cands >= 0].unique().to(self.device)  # every token a speech row can be
+        self.max_allowed_tokens = T.CODEBOOK_SIZE + 1
         self._bias = None  # [CODES_PER_FRAME + 1, vocab] additive mask (0 / -inf) per frame position, built on first use
-        # the tokens constrain_logits ever allows: the seven codebooks' ranges and end of speech
-        audio = torch.arange(T.AUDIO_TOKEN_BASE, T.AUDIO_TOKEN_BASE + T.CODES_PER_FRAME * T.CODEBOOK_SIZE)
-        ids = torch.cat([audio, torch.tensor([T.END_OF_SPEECH])]).unique()
-        self.logit_ids = ids[ids < self.vocab_size].to(self.device)
-        self.max_allowed_tokens = T.CODEBOOK_SIZE + 1  # a position's codes (+ end of speech at a frame start)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -69,36 +76,21 @@ class OrpheusHooks(I.EngineHooks):
         return T.format_prompt(self._encode, text, inp.get("voice")), params
 
     def _position_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Row p < 7: 0 on the audio ids of frame position p (and, at p = 0, end of speech), -inf
-        elsewhere; row 7: zeros (a row that is not a speech request)."""
+        """Row p < 7: 0 on the tokens frame position p allows, -inf elsewhere; row 7: zeros (a row
+        that is not a speech request)."""
         if self._bias is None or self._bias.dtype != dtype:
-            v = torch.arange(self.vocab_size, device=self.device)[None, :]
-            lo = (T.AUDIO_TOKEN_BASE + torch.arange(T.CODES_PER_FRAME, device=self.device) * T.CODEBOOK_SIZE)[:, None]
-            keep = (v >= lo) & (v < lo + T.CODEBOOK_SIZE)
-            keep[0] |= v[0] == T.END_OF_SPEECH  # speech ends only at a frame boundary
-            keep = torch.cat([keep, torch.ones_like(keep[:1])])
-            self._bias = torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, float("-inf"))
+            bias = torch.full((T.CODES_PER_FRAME + 1, self.vocab_size), float("-inf"), dtype=dtype, device=self.device)
+            bias[-1] = 0
+            for p, row in enumerate(self._cands):
+                bias[p, row[row >= 0]] = 0
+            self._bias = bias
         return self._bias
-
-    def _position_ids(self) -> torch.Tensor:
-        """[CODES_PER_FRAME, CODEBOOK_SIZE + 1]: row p the tokens _position_bias allows at frame
-        position p, ascending (end of speech, below every audio id, first at p = 0), -1 padding."""
-        if self._cands is None:
-            lo = T.AUDIO_TOKEN_BASE + torch.arange(T.CODES_PER_FRAME) * T.CODEBOOK_SIZE
-            codes = lo[:, None] + torch.arange(T.CODEBOOK_SIZE)[None, :]
-            pad = torch.full((T.CODES_PER_FRAME - 1, 1), -1, dtype=torch.long)
-            ids = torch.cat([torch.cat([torch.tensor([T.END_OF_SPEECH]), codes[0]])[None],
-                             torch.cat([codes[1:], pad], dim=1)])
-            if int(ids.max()) >= self.vocab_size:
-                raise ValueError(f"Orpheus: a vocabulary of {self.vocab_size} ids does not hold every audio token")
-            self._cands = ids.to(self.device)
-        return self._cands
 
     def candidate_ids(self, request_ids, num_output_tokens):
         if any(r is None for r in request_ids):
             return None
         pos = torch.tensor([n % T.CODES_PER_FRAME for n in num_output_tokens], dtype=torch.long)
-        return self._position_ids()[pos.to(self.device, non_blocking=True)]
+        return self._cands[pos.to(self.device, non_blocking=True)]
 
     def constrain_logits(self, logits, request_ids, num_output_tokens) -> None:
         pos = [n % T.CODES_PER_FRAME if r is not None else T.CODES_PER_FRAME
