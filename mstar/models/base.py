@@ -238,13 +238,17 @@ class DecoderLM(nn.Module):
         tensor), every other column is -inf. float32 [N, vocab]; tp 1 only."""
         if self.tp_size != 1:
             raise ValueError("compute_logits_of: the vocabulary-parallel head computes every column")
+        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32,
+                         device=hidden.device)
+        out.index_copy_(1, ids, self._logits_of_ids(hidden, ids))
+        return out
+
+    def _logits_of_ids(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [N, len(ids)]: the head's rows of `ids` (copied once per ids tensor) times hidden."""
         rows = getattr(self, "_head_rows", None)
         if rows is None or rows[0] is not ids:
             rows = self._head_rows = (ids, self.lm_head_weight().index_select(0, ids))
-        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32,
-                         device=hidden.device)
-        out.index_copy_(1, ids, torch.nn.functional.linear(hidden, rows[1]).float())
-        return out
+        return torch.nn.functional.linear(hidden, rows[1]).float()
 
     def compute_logits_at(self, hidden: torch.Tensor, ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
         """Row b's logits of tokens col_ids[b] (int64 [N, M], each in `ids`, or -1: -inf), float32
@@ -257,10 +261,7 @@ class DecoderLM(nn.Module):
             at = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=ids.device)
             at[ids] = torch.arange(ids.shape[0], device=ids.device)
             cols = self._head_cols = (ids, at)
-        rows = getattr(self, "_head_rows", None)
-        if rows is None or rows[0] is not ids:
-            rows = self._head_rows = (ids, self.lm_head_weight().index_select(0, ids))
-        dense = torch.nn.functional.linear(hidden, rows[1]).float()
+        dense = self._logits_of_ids(hidden, ids)
         c = cols[1][col_ids.clamp_min(0)]
         return dense.gather(1, c.clamp_min(0)).masked_fill_((col_ids < 0) | (c < 0), float("-inf"))
 
