@@ -181,20 +181,20 @@ KNOBS: tuple[Knob, ...] = (
          "Each stream's samples are the eager chunk's within float rounding (a padded batch may run other "
          "kernels; tests/test_qwen3_tts_codec.py checks the padding on CPU). Off by default until a GPU run measures it (the eager chunk takes 21-28 ms: "
          "notes/gpu-2026-12-04-qwen3-tts-graphs.md)."),
-    Knob("MSTAR_SNAC_GRAPHS", "bool", False,
+    Knob("MSTAR_SNAC_GRAPHS", "bool", True,
          "Orpheus on CUDA decodes each step's SNAC windows from a CUDA graph per padded window count (1, 2, 4 "
          "or a multiple of 8; padding windows of code 0), on a CUDA stream of the codec's own, so the windows "
          "decode beside the LM's next step instead of behind it; off: the windows as they come, eagerly, on the "
          "default stream. Each window's samples are the eager forward's within float rounding (tests/test_snac.py "
-         "checks the padding on CPU). Off by default until a GPU run measures it."),
-    Knob("MSTAR_CANDIDATE_SAMPLING", "bool", False,
+         "checks the padding on CPU). Measured: notes/orpheus-first-audio.md."),
+    Knob("MSTAR_CANDIDATE_SAMPLING", "bool", True,
          "A step whose sampled rows are all media requests of a family that lists each row's candidate tokens "
          "(Orpheus: the frame position's 4096 audio codes, and end of speech at a frame start) samples on those "
          "columns alone: the head's logits gathered to [rows, candidates], the penalties and the draw (one stable "
          "sort) at that width, instead of a vocabulary-wide mask, top-k and two sorts. The noise is keyed on the "
          "token id and the kept set is the same, so the tokens are the default path's except within float "
          "rounding of a top-p boundary (the softmax sums over another width); tests/test_orpheus.py checks them "
-         "equal. Off by default until a GPU run measures it."),
+         "equal. Measured: notes/orpheus-first-audio.md."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
          choices=("debug", "info", "warning", "error")),
     Knob("MSTAR_MODEL_PLUGINS", "str", "",
@@ -246,6 +246,12 @@ def value(name: str) -> Any:
         return _values[name]
     except KeyError:
         raise KnobError(f"{name}: unknown knob") from None
+
+
+def changed() -> dict[str, Any]:
+    """The knobs this process runs with that differ from their defaults (benchmark records name
+    them, so a figure says which configuration it measured)."""
+    return {k.name: value(k.name) for k in KNOBS if value(k.name) != k.default}
 
 
 def reload(environ: dict[str, str] | None = None) -> None:

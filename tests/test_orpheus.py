@@ -137,11 +137,12 @@ def test_speech_audio_equals_the_package_decoding_its_tokens(release, engine, mo
 
 def test_padded_window_graphs_keep_the_audio(engine, monkeypatch):
     """MSTAR_SNAC_GRAPHS's padding (graphs="static": the CUDA graphs' shapes, eagerly) gives each
-    window the samples the default decode gives it; by default the stage decodes unpadded."""
+    window the samples the unpadded decode gives it; on a CPU the stage decodes unpadded (the
+    knob's CUDA graphs need CUDA)."""
     from mstar import knobs
     from mstar.models.snac.streaming import WindowDecoder
     stage = engine.output_stage
-    assert stage.windows.graphs == "off" and not knobs.value("MSTAR_SNAC_GRAPHS")
+    assert stage.windows.graphs == "off" and knobs.value("MSTAR_SNAC_GRAPHS")
     reqs = [("p", "Padded windows.", 11, 42), ("q", "And a second stream.", 12, 49), ("r", "Third.", 13, 35)]
     plain = run(engine, [speech(rid, t, s, n) for rid, t, s, n in reqs])
     monkeypatch.setattr(stage, "windows", WindowDecoder(stage.decoder, graphs="static"))
@@ -154,13 +155,15 @@ def test_padded_window_graphs_keep_the_audio(engine, monkeypatch):
 
 def test_candidate_sampling_gives_the_default_tokens(release, engine):
     """MSTAR_CANDIDATE_SAMPLING (each step on the frame position's 4097 candidate columns): the
-    tokens and audio of the default path (vocabulary-wide mask), and no change when off."""
+    tokens and audio of the path with the knob off (vocabulary-wide mask)."""
     from mstar import knobs
-    assert not engine._candidates and not knobs.value("MSTAR_CANDIDATE_SAMPLING")
+    assert engine._candidates and knobs.value("MSTAR_CANDIDATE_SAMPLING")
     reqs = [("c1", "Candidates only.", 21, 42), ("c2", "A second, longer request here.", 22, 56)]
-    want = run(engine, [speech(rid, t, s, n) for rid, t, s, n in reqs])
-    with knobs.override(MSTAR_CANDIDATE_SAMPLING=True):
-        cand = EngineCore(EngineConfig(model=release[0], dtype="float32", device="cpu", max_num_seqs=8))
+    with knobs.override(MSTAR_CANDIDATE_SAMPLING=False):
+        whole = EngineCore(EngineConfig(model=release[0], dtype="float32", device="cpu", max_num_seqs=8))
+    assert not whole._candidates
+    want = run(whole, [speech(rid, t, s, n) for rid, t, s, n in reqs])
+    cand = EngineCore(EngineConfig(model=release[0], dtype="float32", device="cpu", max_num_seqs=8))
     assert cand._candidates
     calls = []
     at = cand.model.compute_logits_at

@@ -6,7 +6,7 @@ SNAC 24 kHz shape (random weights, float32): within WINDOW_TOL (1e-4 of audio in
 may pick other convolution kernels for a padded batch), a second call replaying what the first
 captured. MSTAR_CANDIDATE_SAMPLING and MSTAR_SNAC_GRAPHS through the engine (overlapped decode, a
 tiny Orpheus with head_dim 128 for FlashInfer, bf16, the tiny SNAC preset as its codec): the
-default path's tokens exactly, and its audio within WINDOW_TOL."""
+tokens of the path with both off exactly, and its audio within WINDOW_TOL."""
 
 from __future__ import annotations
 
@@ -67,8 +67,9 @@ def test_knobs_keep_tokens_and_audio(orpheus_dir, knob_set):
             ("g3", "Third.", 33, 35)]
     opts = dict(model=orpheus_dir, codec="snac-tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
                 max_model_len=1024)
-    want = run(EngineCore(EngineConfig(**opts)), [speech(*r) for r in reqs])
-    with knobs.override(**knob_set):
+    with knobs.override(MSTAR_CANDIDATE_SAMPLING=False, MSTAR_SNAC_GRAPHS=False):
+        want = run(EngineCore(EngineConfig(**opts)), [speech(*r) for r in reqs])
+    with knobs.override(**{"MSTAR_CANDIDATE_SAMPLING": False, "MSTAR_SNAC_GRAPHS": False, **knob_set}):
         core = EngineCore(EngineConfig(**opts))
     assert core._candidates == bool(knob_set.get("MSTAR_CANDIDATE_SAMPLING"))
     assert core.output_stage.windows.graphs == ("cuda" if knob_set.get("MSTAR_SNAC_GRAPHS") else "off")
