@@ -46,6 +46,15 @@ def test_override_is_scoped():
             pass
 
 
+def test_changed_names_the_knobs_off_their_defaults():
+    flip = next(k for k in knobs.KNOBS if k.type == "bool")
+    assert flip.name not in knobs.changed()
+    with knobs.override(**{flip.name: not flip.default, "MSTAR_PAGE_SIZE": knobs.value("MSTAR_PAGE_SIZE")}):
+        assert knobs.changed().get(flip.name) is (not flip.default)
+        assert "MSTAR_PAGE_SIZE" not in knobs.changed()  # set, but to its default
+    assert flip.name not in knobs.changed()
+
+
 def test_cli_prints_table_and_rejects_bad_env():
     out = subprocess.run([sys.executable, "-m", "mstar.runtime.knobs", "--markdown"], capture_output=True,
                          text=True, check=True).stdout

@@ -58,6 +58,7 @@ import warnings
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.bench import append_jsonl
 
 SNAC_SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: one frame (7 Orpheus tokens) of the coarsest codebook
@@ -423,6 +424,7 @@ def _record(args, engine: str, family: str, c: int, streams: list[Stream], wall:
     rec = {"bench": "speech", "date": datetime.date.today().isoformat(), "commit": git_commit(),
            "model": args.model, "family": family, "engine": engine, "concurrency": c,
            "seconds_asked": args.seconds, "dtype": args.dtype, "backends": os.environ.get("MSTAR_BACKENDS", ""),
+           "knobs": knobs.changed(),
            "overlap": not args.no_overlap,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            **summarize(streams, wall), **extra}

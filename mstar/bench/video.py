@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from mstar import knobs
 from mstar.bench import append_jsonl
 
 PROMPT = ("A red fox trots along a snowy riverbank at dawn, steam rising from the water, "
@@ -374,6 +375,7 @@ def _record(args, engine: str, c: int, summary: dict) -> dict:
            "model": args.model, "engine": engine, "concurrency": c, "size": args.size, "frames": args.frames or 1,
            "steps": args.steps, "guidance": args.guidance, "flow_shift": args.flow_shift, "dtype": args.dtype,
            "backends": os.environ.get("MSTAR_BACKENDS", ""),
+           "knobs": knobs.changed(),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", **summary}
     frac = rec.get("dit_peak_fraction")
     print(f"{engine:>10} c={c:<2} {rec['req_s']} req/s  latency p50 {rec['latency_p50_s']} p90 {rec['latency_p90_s']} s"
