@@ -78,3 +78,19 @@ def test_ops_table_lists_every_op():
     out = subprocess.run([sys.executable, "-m", "mstar.ops"], capture_output=True, text=True, check=True).stdout
     for name in ["rms_norm", "fused_add_rms_norm", "gated_rms_norm", "l2_norm"]:
         assert name in out
+
+
+def test_cuda_without_a_backend_package_says_so(monkeypatch, caplog):
+    """A CUDA host missing FlashInfer (or Triton, fla) is told once which packages are absent, rather
+    than running the reference ops silently."""
+    from mstar.ops import backends
+    monkeypatch.setattr(backends, "_loaded", {})
+    monkeypatch.setattr(backends, "_has_package", lambda name: name != "flashinfer")
+    monkeypatch.setattr(backends.importlib, "import_module", lambda mod: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("WARNING", logger="mstar.ops"):
+        status = backends.load()
+    assert status["mstar.ops.backends.flashinfer_attention"] == "flashinfer not installed"
+    assert status["mstar.ops.backends.triton_norm"] == "ok"
+    warned = [r.getMessage() for r in caplog.records if "reference backends" in r.getMessage()]
+    assert len(warned) == 1 and "CUDA without flashinfer:" in warned[0]

@@ -57,4 +57,9 @@ def load(force: bool = False) -> dict[str, str]:
         except Exception as e:  # a broken optional backend must not take the op layer down
             _loaded[mod] = f"import failed: {type(e).__name__}: {e}"
             log.warning("backend %s not loaded: %s", mod, _loaded[mod])
+    missing = sorted({pkg for mod, pkg in _MODULES.items() if _loaded[mod] == f"{pkg} not installed"})
+    if missing and torch.cuda.is_available():
+        # silent otherwise: the ops would run on their reference backends (several times slower)
+        log.warning("CUDA without %s: the ops those backends serve run on their reference backends "
+                    "(pip install -e '.[gpu]'; `mstar ops` lists what loaded)", ", ".join(missing))
     return _loaded
