@@ -84,8 +84,8 @@ def test_profile_dit_groups_the_kernels(capsys):
 
 
 def test_cosmos3_images_and_video_points(tmp_path):
-    """Cosmos3 runs through the same loop: step times, no TFLOP/s (the count is Wan's), and the
-    diffusers baseline (Wan's) refused."""
+    """Cosmos3 runs through the same loop: step times, no TFLOP/s (the count is Wan's); its
+    diffusers baseline is refused where diffusers has no Cosmos3OmniPipeline (the dev pin, 0.36)."""
     from mstar.bench import images
     (img,) = _run(tmp_path, "--model", "tiny-cosmos3", "--size", "64x64", "--steps", "2", "--concurrency", "1",
                   "--min-requests", "1", "--waves", "1", main=images.main)
@@ -94,8 +94,34 @@ def test_cosmos3_images_and_video_points(tmp_path):
     (vid,) = _run(tmp_path / "v", "--model", "tiny-cosmos3", "--size", "64x64", "--frames", "5", "--steps", "2",
                   "--concurrency", "1", "--min-requests", "1", "--waves", "1")
     assert vid["frames"] == 5 and vid["denoise_p50_s"] > 0 and vid["decode_p50_s"] > 0
-    assert B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--baseline", "diffusers", "--device", "cpu",
-                   "--out", ""]) == 2
+    if not B._has_diffusers("Cosmos3OmniPipeline"):
+        assert B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--baseline", "diffusers", "--device", "cpu",
+                       "--out", ""]) == 2
+
+
+_COSMOS3_BASELINE = """
+import json, os
+from mstar.bench import video as B
+out = os.path.join(ARGS["dir"], "video.jsonl")
+rc = B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--frames", ARGS["frames"], "--steps", "2",
+             "--concurrency", "1", "--waves", "1", "--min-requests", "1", "--baseline", "diffusers",
+             "--baseline-requests", "1", "--device", "cpu", "--out", out])
+RESULT = (rc, [json.loads(line) for line in open(out)])
+"""
+
+
+@pytest.mark.parametrize("frames", ["0", "5"], ids=["image", "video"])
+def test_cosmos3_diffusers_baseline(tmp_path, frames):
+    """The Cosmos3 baseline (diffusers 0.42's Cosmos3OmniPipeline, in the cached reference
+    environment) runs beside mstar's point: one request, two guided rows a step, every stage timed."""
+    from reference_envs import reference_env, run_reference
+    rc, recs = run_reference(reference_env("diffusers-0.42"), _COSMOS3_BASELINE,
+                             {"dir": str(tmp_path), "frames": frames})
+    assert rc == 0
+    (base,) = [r for r in recs if r["engine"] == "diffusers"]
+    (ours,) = [r for r in recs if r["engine"] == "mstar"]
+    assert base["requests"] == 1 and base["step_rows"] == 2 and base["frames"] == ours["frames"] == max(int(frames), 1)
+    assert all(base[f"{k}_p50_s"] > 0 for k in ("encode", "denoise", "decode")) and base["step_ms_p50"] > 0
 
 
 def test_stage_clock_follows_requests_through_join_and_leave():

@@ -1,4 +1,4 @@
-"""`mstar bench video` / `mstar bench images`: Wan generation in process (no HTTP), a closed loop
+"""`mstar bench video` / `mstar bench images`: Wan or Cosmos3 generation in process (no HTTP), a closed loop
 of c requests per point, with diffusers' pipeline in the same run as the baseline.
 
     mstar bench video --model wan2.2-ti2v-5b --random-weights --size 832x480 --frames 33 --baseline diffusers
@@ -18,11 +18,14 @@ fraction of --peak-tflops (the GPU's dense bf16 ceiling; H200: 989); on CUDA the
 allocated during the point (the models' weights included). Stage times are GPU spans between
 CUDA events (no added synchronisation), host clocks on the CPU.
 
-Baseline (--baseline diffusers, before mstar's points, same process and GPU): diffusers'
-WanPipeline (expand_timesteps as the TI2V release) over its own WanTransformer3DModel and
-AutoencoderKLWan with random weights of the same configs, sharing mstar's text encoder and
-tokenizer, one request at a time (it does not batch requests), output_type "np"; the same
-stage split (encode_prompt, the denoise loop, vae.decode).
+Baseline (--baseline diffusers, before mstar's points, same process and GPU), one request at a
+time (neither pipeline batches requests), output_type "np", with the same stage split:
+- Wan: diffusers' WanPipeline (expand_timesteps as the TI2V release) over its own
+  WanTransformer3DModel and AutoencoderKLWan with random weights of the same configs, sharing
+  mstar's text encoder and tokenizer; encode = encode_prompt.
+- Cosmos3 (diffusers >= 0.42): Cosmos3OmniPipeline over its own Cosmos3OmniTransformer and
+  AutoencoderKLWan with random weights of the same configs, mstar's tokenizer, no safety checker,
+  the model's fps; encode = tokenize_prompt (it runs the understanding tower inside every step).
 
 Prints one line per point and appends one JSON record per point to --out
 (default notes/results/video.jsonl).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import os
 import sys
@@ -286,31 +290,43 @@ def _flops(args, pipe) -> float | None:
 
 
 # -- diffusers -----------------------------------------------------------------------------------
-def diffusers_pipeline(args, pipe):
+def _public(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def _has_diffusers(name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module("diffusers"), name)
+    except ImportError:
+        return False
+
+
+def _family_config(args, family: str):
+    from mstar.models import registry
+    if os.path.isdir(args.model):
+        return registry.family_of(args.model).config_from_dir(args.model)
+    if family == "wan":
+        from mstar.models.wan.presets import WanConfig
+        return WanConfig.from_dict(registry.preset(args.model).config)
+    from mstar.models.cosmos3.presets import Cosmos3Config
+    return Cosmos3Config.from_dict(registry.preset(args.model).config)
+
+
+def wan_diffusers_pipeline(args, pipe):
     """diffusers' WanPipeline with random weights of mstar's configs, mstar's text encoder shared."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from diffusers import WanPipeline as DiffusersWan
     from diffusers.pipelines.wan import pipeline_wan
 
-    from mstar.models import registry
-    from mstar.models.wan.family import config_from_dir
-    from mstar.models.wan.presets import WanConfig
-
-    if os.path.isdir(args.model):
-        cfg = config_from_dir(args.model)
-    else:
-        cfg = WanConfig.from_dict(registry.preset(args.model).config)
-
-    def public(d):
-        return {k: v for k, v in d.items() if not k.startswith("_")}
+    cfg = _family_config(args, "wan")
     if not hasattr(pipeline_wan, "ftfy"):  # its prompt_clean needs ftfy; mstar's, without it, fixes nothing
         import types
         pipeline_wan.ftfy = types.SimpleNamespace(fix_text=lambda t: t)
     torch.manual_seed(0)
     with torch.device(args.device):
-        transformer = WanTransformer3DModel(**public(cfg.transformer)).to(args.torch_dtype).eval()
-        vae = AutoencoderKLWan(**public(cfg.vae)).float().eval()
-    sched = UniPCMultistepScheduler(**public(cfg.scheduler))
+        transformer = WanTransformer3DModel(**_public(cfg.transformer)).to(args.torch_dtype).eval()
+        vae = AutoencoderKLWan(**_public(cfg.vae)).float().eval()
+    sched = UniPCMultistepScheduler(**_public(cfg.scheduler))
     te = pipe.text_encoder
     out = DiffusersWan(tokenizer=te.tokenizer, text_encoder=te.model, vae=vae, scheduler=sched,
                        transformer=transformer, expand_timesteps=cfg.expand_timesteps)
@@ -318,14 +334,38 @@ def diffusers_pipeline(args, pipe):
     return out
 
 
+def cosmos3_diffusers_pipeline(args, pipe):
+    """diffusers' Cosmos3OmniPipeline (diffusers >= 0.42) with random weights of mstar's configs and
+    mstar's tokenizer, no safety checker; it runs both towers over the whole sequence every step."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    from mstar.models.wan.scheduler import FLOW_SIGMAS_NATIVE
+
+    cfg = _family_config(args, "cosmos3")
+    tokenizer = pipe.prompter.tokenizer
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        transformer = Cosmos3OmniTransformer.from_config(_public(cfg.transformer)).to(args.torch_dtype).eval()
+        vae = AutoencoderKLWan(**_public(cfg.vae)).float().eval()
+    sched = UniPCMultistepScheduler(**_public(cfg.scheduler))
+    out = Cosmos3OmniPipeline(transformer=transformer, text_tokenizer=tokenizer, vae=vae, scheduler=sched,
+                              enable_safety_checker=False, default_use_system_prompt=cfg.use_system_prompt,
+                              use_native_flow_schedule=cfg.flow_sigmas == FLOW_SIGMAS_NATIVE)
+    out.set_progress_bar_config(disable=True)
+    return out
+
+
 def run_diffusers(args, pipe) -> list[dict]:
     """One request at a time; the same stage split through wrappers of encode_prompt and vae.decode."""
     cuda = args.device.startswith("cuda")
-    ref = diffusers_pipeline(args, pipe)
+    cosmos3 = hasattr(pipe, "prompter")
+    ref = (cosmos3_diffusers_pipeline if cosmos3 else wan_diffusers_pipeline)(args, pipe)
     flops_row = _flops(args, pipe)
     w, h = (int(v) for v in args.size.split("x"))
     spans: dict[str, list[Span]] = {}
-    enc, dec = ref.encode_prompt, ref.vae.decode
+    # encode: Wan's text encoder; Cosmos3's prompt tokens (its understanding tower runs in every step)
+    encode_name = "tokenize_prompt" if cosmos3 else "encode_prompt"
+    enc, dec = getattr(ref, encode_name), ref.vae.decode
 
     def timed(name, fn):
         def run(*a, **kw):
@@ -334,13 +374,15 @@ def run_diffusers(args, pipe) -> list[dict]:
             spans.setdefault(name, []).append(s.stop())
             return out
         return run
-    ref.encode_prompt, ref.vae.decode = timed("encode", enc), timed("decode", dec)
+    setattr(ref, encode_name, timed("encode", enc))
+    ref.vae.decode = timed("decode", dec)
+    extra = {"fps": pipe.fps, "enable_safety_check": False} if cosmos3 else {}
 
     def one(i: int, steps: int) -> tuple[float, dict[str, float], float]:
         spans.clear()
         t0 = time.perf_counter()
         total = Span(cuda)
-        kw = {"num_frames": args.frames or 1}
+        kw = {"num_frames": args.frames or 1, **extra}
         if args.flow_shift is not None:
             ref.scheduler = type(ref.scheduler).from_config(ref.scheduler.config, flow_shift=args.flow_shift)
         with torch.inference_mode():
@@ -405,7 +447,8 @@ def build_parser(kind: str = "video") -> argparse.ArgumentParser:
     p.add_argument("--min-requests", type=int, default=2, help="see --waves")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of each point's warm-up requests")
     p.add_argument("--baseline", choices=["none", "diffusers"], default="none",
-                   help="diffusers' WanPipeline in the same run (random weights, same configs)")
+                   help="diffusers' pipeline in the same run (random weights, same configs): WanPipeline, or "
+                        "Cosmos3OmniPipeline (diffusers >= 0.42)")
     p.add_argument("--baseline-requests", type=int, default=2, help="diffusers: requests, one at a time")
     p.add_argument("--peak-tflops", type=float, default=BF16_PEAK_TFLOPS_H200,
                    help="the dense bf16 ceiling the transformer step is compared with (H200: 989)")
@@ -437,8 +480,9 @@ def main(argv=None, kind: str = "video") -> int:
         print(f"mstar bench {kind}: {args.size} is not a size of {args.model} ({', '.join(pipe.sizes)})",
               file=sys.stderr)
         return 2
-    if args.baseline == "diffusers" and hasattr(pipe, "prompter"):
-        print(f"mstar bench {kind}: the diffusers baseline is built for Wan only", file=sys.stderr)
+    if args.baseline == "diffusers" and hasattr(pipe, "prompter") and not _has_diffusers("Cosmos3OmniPipeline"):
+        print(f"mstar bench {kind}: the Cosmos3 baseline needs diffusers >= 0.42 (Cosmos3OmniPipeline)",
+              file=sys.stderr)
         return 2
     base = run_diffusers(args, pipe) if args.baseline == "diffusers" else []
     if base and args.device.startswith("cuda"):
