@@ -169,6 +169,12 @@ KNOBS: tuple[Knob, ...] = (
          "between the matmuls and attention ops; the step graphs (MSTAR_DIT_GRAPHS) then capture the compiled "
          "step. Off: the eager step (bit-identical outputs to a build without this knob). "
          "tests/test_dit_compile.py checks the compiled step against the eager one."),
+    Knob("MSTAR_VAE_DTYPE", "choice", "float32",
+         "The Wan2.2 VAE's dtype (Wan, Cosmos3: the decode of every generation, the encode of an image to video): "
+         "float32 as diffusers' Wan pipelines run it; bfloat16 halves its bytes and runs its convolutions at the bf16 "
+         "matrix rate, at about 1% relative error in the pixels (a few uint8 levels at most; "
+         "tests/test_vae_dtype.py bounds it). Not yet measured on a GPU: float32 stays the default.",
+         choices=("float32", "bfloat16")),
     Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
          "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
          "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "

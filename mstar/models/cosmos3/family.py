@@ -97,11 +97,11 @@ def cosmos3_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights:
 
     from mstar.models.cosmos3.pipeline import Cosmos3Pipeline
     from mstar.models.cosmos3.prompt import Cosmos3Prompter, byte_tokenizer
-    from mstar.models.wan.family import random_vae
+    from mstar.models.wan.family import default_vae_dtype, random_vae
     from mstar.models.wan.scheduler import FlowUniPCScheduler
 
     dtype = dtype or torch.float32
-    vae_dtype = vae_dtype or torch.float32
+    vae_dtype = vae_dtype or default_vae_dtype()
     if os.path.isdir(name_or_dir):
         from transformers import AutoTokenizer
         cfg = config_from_dir(name_or_dir)

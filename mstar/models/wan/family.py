@@ -120,6 +120,14 @@ def random_vae(raw: dict, seed: int, device, dtype):
     return _seeded(seed, device, build).to(dtype).eval().requires_grad_(False)
 
 
+def default_vae_dtype():
+    """The VAE's dtype where the caller names none: MSTAR_VAE_DTYPE (float32 unless set)."""
+    import torch
+
+    from mstar import knobs
+    return getattr(torch, knobs.value("MSTAR_VAE_DTYPE"))
+
+
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
                  max_batch: int = 8, vae_dtype=None):
     """A WanPipeline of a diffusers pipeline directory or a preset (random weights: the preset's
@@ -131,7 +139,7 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
     from mstar.models.wan.text_encoder import byte_tokenizer, load_text_encoder, random_text_encoder
 
     dtype = dtype or torch.float32
-    vae_dtype = vae_dtype or torch.float32
+    vae_dtype = vae_dtype or default_vae_dtype()
     if os.path.isdir(name_or_dir):
         cfg = config_from_dir(name_or_dir)
         if random_weights:
