@@ -429,12 +429,13 @@ def test_overlapped_decode_constrained_family_matches_synchronous():
     assert len(core.output_stage) == 0
     assert_no_leaks(core)
     # the head over the family's logit_ids alone (audio codes, end of speech): the same tokens as
-    # the whole head, synchronous and overlapped
+    # the whole head (and so the whole-vocabulary sampling, not the candidate columns), synchronous
+    # and overlapped
     ids = sync.hooks.logit_ids
     assert ids is not None and len(ids) == 7 * 4096 + 1 and bool((ids[1:] > ids[:-1]).all())
     for eng in (EngineCore(EngineConfig(async_output=False, **opts)), EngineCore(EngineConfig(async_output=True,
                                                                                              **opts))):
-        eng._logit_ids = None
+        eng._logit_ids, eng._candidates = None, False
         assert run_all(eng, mk()) == want
 
 
