@@ -198,7 +198,7 @@ KNOBS: tuple[Knob, ...] = (
          "(Orpheus: the frame position's 4096 audio codes, and end of speech at a frame start) samples on those "
          "columns alone: the head's logits gathered to [rows, candidates], the penalties and the draw (one stable "
          "sort) at that width, instead of a vocabulary-wide mask, top-k and two sorts. The noise is keyed on the "
-         "token id and the kept set is the same, so the tokens are the default path's except within float "
+         "token id and the kept set is the same, so the tokens are the whole-vocabulary path's (off) except within float "
          "rounding of a top-p boundary (the softmax sums over another width); tests/test_orpheus.py checks them "
          "equal. Measured: notes/orpheus-first-audio.md."),
     Knob("MSTAR_LOG_LEVEL", "choice", "info", "Logging level of mstar's loggers.",
@@ -257,7 +257,7 @@ def value(name: str) -> Any:
 def changed() -> dict[str, Any]:
     """The knobs this process runs with that differ from their defaults (benchmark records name
     them, so a figure says which configuration it measured)."""
-    return {k.name: value(k.name) for k in KNOBS if value(k.name) != k.default}
+    return {k.name: v for k in KNOBS if (v := value(k.name)) != k.default}
 
 
 def reload(environ: dict[str, str] | None = None) -> None:

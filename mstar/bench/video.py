@@ -301,24 +301,15 @@ def _has_diffusers(name: str) -> bool:
         return False
 
 
-def _family_config(args, family: str):
-    from mstar.models import registry
-    if os.path.isdir(args.model):
-        return registry.family_of(args.model).config_from_dir(args.model)
-    if family == "wan":
-        from mstar.models.wan.presets import WanConfig
-        return WanConfig.from_dict(registry.preset(args.model).config)
-    from mstar.models.cosmos3.presets import Cosmos3Config
-    return Cosmos3Config.from_dict(registry.preset(args.model).config)
-
-
 def wan_diffusers_pipeline(args, pipe):
     """diffusers' WanPipeline with random weights of mstar's configs, mstar's text encoder shared."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from diffusers import WanPipeline as DiffusersWan
     from diffusers.pipelines.wan import pipeline_wan
 
-    cfg = _family_config(args, "wan")
+    from mstar.models import registry
+
+    cfg = registry.resolve_config(args.model)
     if not hasattr(pipeline_wan, "ftfy"):  # its prompt_clean needs ftfy; mstar's, without it, fixes nothing
         import types
         pipeline_wan.ftfy = types.SimpleNamespace(fix_text=lambda t: t)
@@ -339,9 +330,10 @@ def cosmos3_diffusers_pipeline(args, pipe):
     mstar's tokenizer, no safety checker; it runs both towers over the whole sequence every step."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
+    from mstar.models import registry
     from mstar.models.wan.scheduler import FLOW_SIGMAS_NATIVE
 
-    cfg = _family_config(args, "cosmos3")
+    cfg = registry.resolve_config(args.model)
     tokenizer = pipe.prompter.tokenizer
     torch.manual_seed(0)
     with torch.device(args.device):
