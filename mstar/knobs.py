@@ -175,6 +175,21 @@ KNOBS: tuple[Knob, ...] = (
          "matrix rate, at about 1% relative error in the pixels (a few uint8 levels at most; "
          "tests/test_vae_dtype.py bounds it). Not yet measured on a GPU: float32 stays the default.",
          choices=("float32", "bfloat16")),
+    Knob("MSTAR_VAE_CHANNELS_LAST", "bool", False,
+         "The Wan2.2 VAE's convolution weights and decode activations in channels_last_3d ([B, T, H, W, C] "
+         "memory), the layout cuDNN's tensor-core convolutions read without transposing; off: the default "
+         "layout (bit-identical to a build without this knob). The same function: "
+         "tests/test_vae_decode_options.py bounds the difference. Not yet measured on a GPU."),
+    Knob("MSTAR_VAE_CUDNN_BENCHMARK", "bool", False,
+         "The Wan2.2 VAE's decode lets cuDNN time its convolution algorithms once per new shape and keep the "
+         "fastest (torch.backends.cudnn.benchmark, inside the decode only); the first decode of a size pays the "
+         "search. Off: cuDNN's heuristic choice. Not yet measured on a GPU."),
+    Knob("MSTAR_VAE_LATENT_CHUNK", "int", 1,
+         "Latent frames per step of the Wan2.2 VAE's decoder after the first (1: the release's one at a time). "
+         "Its temporal layers are causal windows over cached frames, so the video is the same function of the "
+         "latents at any chunk (tests/test_vae_decode_options.py); larger chunks make the small levels' "
+         "convolutions larger and the steps fewer, at more activation memory. Not yet measured on a GPU.",
+         minimum=1),
     Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
          "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
          "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "

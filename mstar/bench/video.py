@@ -72,6 +72,21 @@ def dit_flops(cfg, frames: int, height: int, width: int, text_len: int = 512, va
     return float(cfg.num_layers * per_block + edges)
 
 
+def cosmos3_step_flops(cfg, vision_tokens: int, prompt_len: int) -> float:
+    """Floating-point operations of one Cosmos3 generation-tower forward for one row (multiply-add
+    = 2): proj_in, per layer the fused q / k / v and the output projection, the scores and values
+    of S vision queries over L + S keys, the ReLU^2 MLP, proj_out and the timestep embedding. The
+    prompt's K/V are cached (computed once a request, not counted); norms and rotary are left out."""
+    from mstar.models.cosmos3.transformer import TIME_FREQ_DIM
+    S, d, q = vision_tokens, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = (2 * S * d * (q + 2 * kv) + 2 * S * q * d  # projections
+                 + 4 * S * (prompt_len + S) * q  # scores and values
+                 + 2 * S * 2 * d * cfg.intermediate_size)  # MLP
+    edges = 2 * S * cfg.patch_latent_dim * d * 2 + 2 * (TIME_FREQ_DIM * d + d * d)
+    return float(cfg.num_hidden_layers * per_layer + edges)
+
+
 class Span:
     """A timed region: CUDA events on a GPU (read when the work is done), else the host clock."""
 

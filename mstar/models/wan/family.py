@@ -128,6 +128,14 @@ def default_vae_dtype():
     return getattr(torch, knobs.value("MSTAR_VAE_DTYPE"))
 
 
+def configure_vae(vae):
+    """vae with the decode options the MSTAR_VAE_* knobs name (WanVAE.set_decode_options)."""
+    from mstar import knobs
+    return vae.set_decode_options(latent_chunk=knobs.value("MSTAR_VAE_LATENT_CHUNK"),
+                                  channels_last=knobs.value("MSTAR_VAE_CHANNELS_LAST"),
+                                  cudnn_benchmark=knobs.value("MSTAR_VAE_CUDNN_BENCHMARK"))
+
+
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
                  max_batch: int = 8, vae_dtype=None):
     """A WanPipeline of a diffusers pipeline directory or a preset (random weights: the preset's
@@ -166,7 +174,7 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
         text = _seeded(seed + 2, device,
                        lambda: random_text_encoder(cfg.text_encoder, byte_tokenizer(), seed + 2, device, dtype))
         scheduler = FlowUniPCScheduler(cfg.scheduler)
-    return WanPipeline(transformer, vae, text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
+    return WanPipeline(transformer, configure_vae(vae), text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
                        max_frames=cfg.max_frames, fps=cfg.fps, num_inference_steps=cfg.num_inference_steps,
                        guidance_scale=cfg.guidance_scale, max_batch=max_batch)
 

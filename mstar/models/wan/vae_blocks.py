@@ -212,14 +212,29 @@ class Upsample(nn.Module):
             keep = keep.clone()
         y = self.time_conv(x, None if first else prev)
         cache.put(self.time_conv, keep)
-        b, c, t, h, w = x.shape
-        return y.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+        return interleave_frames(y)
 
     def forward(self, x: torch.Tensor, cache: FrameCache) -> torch.Tensor:
         if self.time_conv is not None:
             x = self._double_frames(x, cache)
-        x = x.repeat_interleave(2, dim=3).repeat_interleave(2, dim=4)  # nearest(-exact) 2x
+        x = F.interpolate(x, scale_factor=(1.0, 2.0, 2.0), mode="nearest")  # each pixel 2 x 2: one kernel
         return _conv2d_frames(x, self.spatial, 1, 1)
+
+
+def interleave_frames(y: torch.Tensor) -> torch.Tensor:
+    """[B, 2C, T, H, W] -> [B, C, 2T, H, W]: channel half j of frame t becomes frame 2t + j, in
+    the memory layout y has (channels_last_3d stays so: no layout flip between convolutions)."""
+    b, c2, t, h, w = y.shape
+    c = c2 // 2
+    if _channels_last(y):
+        z = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).contiguous()
+        return z.view(b, 2 * t, h, w, c).permute(0, 4, 1, 2, 3)
+    return y.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether x is laid out [B, T, H, W, C] in memory (and not also plainly contiguous)."""
+    return x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
 
 
 def avg_down(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
@@ -239,9 +254,15 @@ def dup_up(x: torch.Tensor, cout: int, ft: int, fs: int, first: bool) -> torch.T
     """The up blocks' shortcut: repeat channels and unfold them into ft x fs x fs neighbourhoods
     (the inverse layout of avg_down); on the first latent frame the first ft - 1 frames go."""
     b, c, t, h, w = x.shape
-    x = x.repeat_interleave((cout * ft * fs * fs) // c, dim=1)
-    x = x.view(b, cout, ft, fs, fs, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
-    x = x.reshape(b, cout, t * ft, h * fs, w * fs)
+    r = (cout * ft * fs * fs) // c
+    if _channels_last(x):  # the same values, built in [B, T, H, W, C] memory
+        y = x.permute(0, 2, 3, 4, 1).repeat_interleave(r, dim=-1).view(b, t, h, w, cout, ft, fs, fs)
+        y = y.permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous()  # (a size-1 dim would let reshape keep a view)
+        x = y.view(b, t * ft, h * fs, w * fs, cout).permute(0, 4, 1, 2, 3)
+    else:
+        x = x.repeat_interleave(r, dim=1)
+        x = x.view(b, cout, ft, fs, fs, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+        x = x.reshape(b, cout, t * ft, h * fs, w * fs)
     return x[:, :, ft - 1:] if first else x
 
 
@@ -286,4 +307,4 @@ class UpBlock(nn.Module):
 
 
 __all__ = ["CACHE_T", "FrameCache", "CausalConv3d", "causal_step", "ChannelRMSNorm", "ResBlock", "FrameAttention",
-           "MidBlock", "Downsample", "Upsample", "avg_down", "dup_up", "DownBlock", "UpBlock"]
+           "MidBlock", "Downsample", "Upsample", "interleave_frames", "avg_down", "dup_up", "DownBlock", "UpBlock"]
