@@ -205,7 +205,7 @@ class Cosmos3Pipeline(I.Pipeline):
     def step(self, state: dict, i: int) -> None:
         x = state["latents"]
         B = x.shape[0]
-        t = torch.tensor([int(s.timestep) for s in state["scheds"]], dtype=torch.long, device=x.device)
+        t = self.scheduler.current_timesteps(state["scheds"], torch.long, x.device)
         out = self.graphed(x, t, state["idx"], state["table"], *state["kv"])
         new = []
         for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):

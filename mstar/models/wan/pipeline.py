@@ -266,13 +266,12 @@ class WanPipeline(I.Pipeline):
     def step(self, state: dict, i: int) -> None:
         x = state["latents"]
         B, dt = x.shape[0], self.transformer.dtype
-        ts = [float(s.timestep) for s in state["scheds"]]
         if state["mask"] is not None:  # per-token timesteps: 0 on the conditioning frame
             pt, ph, pw = self.transformer.patch_size
             base = state["mask"][0, 0][::pt, ::ph, ::pw].flatten()
-            t = torch.stack([base * v for v in ts])
+            t = torch.stack([base * float(s.timestep) for s in state["scheds"]])
         else:
-            t = torch.tensor(ts, dtype=torch.float32, device=x.device)
+            t = self.scheduler.current_timesteps(state["scheds"], torch.float32, x.device)
         inp = self._composite(state).to(dt)
         if state["cfg"]:
             inp, t = torch.cat([inp, inp]), torch.cat([t, t])

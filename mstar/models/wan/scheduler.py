@@ -324,6 +324,18 @@ class FlowUniPCScheduler:
         sig = torch.from_numpy(np.append(s, last).astype(np.float32))
         return ts, sig
 
+    @staticmethod
+    def current_timesteps(states: list[UniPCState], dtype: torch.dtype, device) -> torch.Tensor:
+        """The states' current timesteps as one [len(states)] tensor of `dtype` on `device` (from
+        states on the CPU, their default). A CUDA device gets them through pinned memory, copied
+        asynchronously: a copy from pageable memory would wait for the device to drain, leaving it
+        idle while the host prepares the next step."""
+        t = torch.stack([s.timestep for s in states]).to(dtype)
+        device = torch.device(device)
+        if device.type != "cuda":
+            return t.to(device)
+        return t.pin_memory().to(device, non_blocking=True)
+
     def new_state(self, num_inference_steps: int, flow_shift: float | None = None, device="cpu") -> UniPCState:
         """A fresh state at step 0 of an N-step schedule (flow_shift None: the config's)."""
         ts, sig = self.schedule(num_inference_steps, flow_shift)
@@ -362,9 +374,20 @@ class FlowUniPCScheduler:
         return alpha_t, sig_t / sig_s0, h_phi_1, b_h, ratios, torch.stack(rows), torch.stack(rhs)
 
     @staticmethod
-    def _weighted(rhos: torch.Tensor, diffs: list[torch.Tensor]) -> torch.Tensor:
-        # sum_k rho_k * D_k over the stacked differences [B, K, ...]
-        return torch.einsum("k,bkc...->bc...", rhos, torch.stack(diffs, dim=1))
+    def _weighted(rhos: list[float], diffs: list[torch.Tensor]) -> torch.Tensor:
+        # sum_k rho_k * D_k; the coefficients are host numbers (no device tensor made, no host sync),
+        # summed in float32 and rounded once, as the einsum over the stacked differences does
+        if len(rhos) == 1:
+            return diffs[0] * rhos[0]
+        out = diffs[0].float() * rhos[0]
+        for rho, d in zip(rhos[1:], diffs[1:]):
+            out = out.add(d.float(), alpha=rho)
+        return out.to(diffs[0].dtype)
+
+    @staticmethod
+    def _rhos(big_r: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> list[float]:
+        """The solver's coefficients, solved on the host and rounded to the sample's dtype."""
+        return torch.linalg.solve(big_r, b).to(dtype).tolist()
 
     def _predict(self, state: UniPCState, x: torch.Tensor, order: int) -> torch.Tensor:
         """UniP: from sigma[i] (sample x) to sigma[i + 1]."""
@@ -376,10 +399,7 @@ class FlowUniPCScheduler:
         out = ratio * x - alpha_t * h_phi_1 * m0
         if order > 1:
             diffs = [(mo[-(k + 1)] - m0) / rks[k - 1] for k in range(1, order)]
-            if order == 2:
-                rhos = torch.tensor([0.5], dtype=x.dtype, device=x.device)
-            else:
-                rhos = torch.linalg.solve(big_r[:-1, :-1], b[:-1]).to(x.device).to(x.dtype)
+            rhos = [0.5] if order == 2 else self._rhos(big_r[:-1, :-1], b[:-1], x.dtype)
             out = out - alpha_t * b_h * self._weighted(rhos, diffs)
         return out.to(x.dtype)
 
@@ -392,11 +412,8 @@ class FlowUniPCScheduler:
         m0 = mo[-1]
         alpha_t, ratio, h_phi_1, b_h, rks, big_r, b = self._bh_terms(
             state.sigmas, i, i - 1, [i - 1 - k for k in range(1, order)], order)
-        if order == 1:
-            rhos = torch.tensor([0.5], dtype=x.dtype, device=sample.device)
-        else:
-            rhos = torch.linalg.solve(big_r, b).to(sample.device).to(x.dtype)
-        res = rhos[-1] * (x0 - m0)
+        rhos = [0.5] if order == 1 else self._rhos(big_r, b, x.dtype)
+        res = (x0 - m0) * rhos[-1]
         if order > 1:
             diffs = [(mo[-(k + 1)] - m0) / rks[k - 1] for k in range(1, order)]
             res = self._weighted(rhos[:-1], diffs) + res
