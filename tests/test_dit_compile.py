@@ -13,6 +13,7 @@ from mstar import knobs
 from mstar.models.cosmos3 import rope
 from mstar.models.cosmos3.config import TINY_COSMOS3_TRANSFORMER
 from mstar.models.cosmos3.family import random_transformer
+from mstar.models.cosmos3.transformer import JointKV
 from mstar.models.shape_graphs import denoiser_step
 
 TOL = 1e-4
@@ -33,7 +34,8 @@ def _cosmos3_inputs(model, prompts: list[int], seed: int):
     table = torch.cat([rope.rope_table(rope.vision_positions((1, s, s), rope.vision_offset(n, cfg), 24.0, 4, cfg),
                                        cfg) for n in prompts])
     rows = torch.tensor([r % 2 for r in range(len(prompts))])
-    return latents, t, rows, table, [x for u in und for x in (u.k, u.v)]
+    j = JointKV.of(und, s * s)
+    return latents, t, rows, table, (j.kv_rows, j.k, j.v, j.prompt_lens)
 
 
 def test_default_is_the_plain_step():

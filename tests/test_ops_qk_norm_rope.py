@@ -90,3 +90,63 @@ def test_triton_kernel_in_the_interpreter():
             assert dq < 1e-5 and dk < 1e-5, (dq, dk)
         else:  # a bf16 rounding step in the norm (rsqrt vs 1 / sqrt, sum order), carried by the rotation
             assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)
+
+
+def _joint(hk, d, dtype, t, seed):
+    """Joint key / value buffers of 3 * t rows (random: the rows not written must stay) and the
+    distinct rows the t tokens go to."""
+    g = torch.Generator().manual_seed(seed)
+    k_out, v_out = torch.randn(3 * t, hk, d, generator=g).to(dtype), torch.randn(3 * t, hk, d, generator=g).to(dtype)
+    return k_out, v_out, torch.randperm(3 * t, generator=g)[:t]
+
+
+def test_kv_form_writes_k_and_v_into_their_rows():
+    """qk_norm_rope_kv_fp32_weight: q as qk_norm_rope_fp32_weight's; its k and v in rows kv_rows of the
+    joint buffers, every other row as it was."""
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, pos, qw, kw, cache = _inputs(4, 2, 32, 32, False, dtype, seed=5)
+        k_out, v_out, rows = _joint(2, 32, dtype, qkv.shape[0], seed=6)
+        k0, v0 = k_out.clone(), v_out.clone()
+        q = rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn(qkv, pos, qw, kw, cache, 4, 2, 32, 32, 1e-6,
+                                                                        k_out, v_out, rows)
+        q1, k1, v1 = rotary.qk_norm_rope_fp32_weight.backends["reference"].fn(qkv, pos, qw, kw, cache, 4, 2, 32, 32,
+                                                                              1e-6)
+        assert torch.equal(q, q1) and torch.equal(k_out[rows], k1) and torch.equal(v_out[rows], v1)
+        rest = torch.ones(k_out.shape[0], dtype=torch.bool)
+        rest[rows] = False
+        assert torch.equal(k_out[rest], k0[rest]) and torch.equal(v_out[rest], v0[rest])
+        torch.library.opcheck(rotary.qk_norm_rope_kv_fp32_weight.overload,
+                              (qkv, pos, qw, kw, cache, 4, 2, 32, 32, 1e-6, k_out, v_out, rows))
+
+
+_KV_SCRIPT = r"""
+import json, torch
+from mstar.ops import rotary
+from mstar.ops.backends import triton_elementwise as te
+from test_ops_qk_norm_rope import _inputs, _joint
+out = []
+for dtype in (torch.float32, torch.bfloat16):
+    for hq, hk, d, rd in ((4, 2, 32, 32), (2, 1, 64, 16), (4, 4, 16, 16)):
+        qkv, pos, qw, kw, cache = _inputs(hq, hk, d, rd, False, dtype, seed=d + hq)
+        k_ref, v_ref, rows = _joint(hk, d, dtype, qkv.shape[0], seed=d)
+        k_got, v_got = k_ref.clone(), v_ref.clone()
+        q_ref = rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn(qkv, pos, qw, kw, cache, hq, hk, d, rd,
+                                                                            1e-6, k_ref, v_ref, rows)
+        q_got = te.qk_norm_rope_kv_fp32_weight(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, k_got, v_got, rows)
+        out.append([str(dtype), (q_ref.float() - q_got.float()).abs().max().item(),
+                    (k_ref.float() - k_got.float()).abs().max().item(),
+                    (v_ref.float() - v_got.float()).abs().max().item(),
+                    q_ref.float().abs().max().item(), k_ref.float().abs().max().item()])
+print(json.dumps(out))
+"""
+
+
+def test_kv_form_triton_kernel_in_the_interpreter():
+    got = run_interpreted(_KV_SCRIPT)
+    assert len(got) == 6
+    for dtype, dq, dk, dv, mq, mk in got:
+        assert dv == 0.0  # v copied, and no other row touched (k / v compared whole)
+        if dtype == "torch.float32":
+            assert dq < 1e-5 and dk < 1e-5, (dq, dk)
+        else:
+            assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)

@@ -27,9 +27,8 @@ def test_cosmos3_step_flops_counts_every_matrix_product(prompt_len, frames, rows
     grid = (frames, 2, 3)
     x = torch.randn(rows, cfg.latent_channel, frames, grid[1] * pp, grid[2] * pp)
     table = rope.rope_table(rope.vision_positions(grid, rope.vision_offset(prompt_len, cfg), 24.0, 4, cfg), cfg)
-    kv = [t for _ in range(rows) for t in (und.k, und.v)]
     with FlopCounterMode(display=False) as fc:
-        model.generate_rows(x, torch.full((rows,), 500), torch.arange(rows), table.repeat(rows, 1), *kv)
+        model.generate(x, torch.full((rows,), 500), list(range(rows)), [und] * rows, table.repeat(rows, 1))
     S = grid[0] * grid[1] * grid[2]
     assert fc.get_total_flops() == rows * B.cosmos3_step_flops(cfg, S, prompt_len)
 

@@ -5,12 +5,19 @@
                                                 # captures, later ones replay
 
 The function must depend only on its tensor arguments' values (no host reads of them, no
-data-dependent shapes) and must not mutate them. Arguments and the output may be tensors or
-lists / tuples of them (nested; the structure is part of the signature). A call's output is
+data-dependent shapes) and must not mutate them, except scratch it writes before it reads.
+Arguments and the output may be tensors or lists / tuples of them (nested; the structure is part
+of the signature); int arguments are part of the signature (a graph per value), not copied. A call's output is
 cloned out of the graph's static buffers, so it stays valid after the next replay. Arguments on
 the CPU, or a disabled instance, run the function eagerly. At most `max_graphs` signatures are
 kept (least recently used dropped, with their memory pool): continuous batching changes the
 batch size as requests join and leave, and every size is its own graph.
+
+Every replay copies the arguments into the graph's static inputs. `constant_from=k` declares the
+arguments from position k on read-only while the same tensor objects come (a denoiser's text
+states or cached prompt keys and values, the same for every step of a batch): such a tensor is
+copied only when a different one arrives in its place (held by a weak reference, so a finished
+request's memory is not kept alive by the graph).
 
 Also here, for every graph runner (the runtime's decode and prefill graphs, the Qwen3-TTS frame
 and codec graphs, the SNAC window graphs): `capture_after_first_use`, the padded batch sizes
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import weakref
 from typing import Callable
 
 import torch
@@ -81,24 +89,43 @@ def graph_mode(graphs: str, device: torch.device, what: str) -> str:
     return graphs
 
 
-def _signature(leaves: list[torch.Tensor], spec) -> tuple:
-    return (str(spec),) + tuple((tuple(a.shape), a.dtype, a.device, a.stride()) for a in leaves)
+def _signature(leaves: list, spec) -> tuple:
+    return (str(spec),) + tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor)
+                                else ("int", int(a)) for a in leaves)
 
 
 class _Captured:
-    __slots__ = ("graph", "inputs", "output")
+    __slots__ = ("graph", "inputs", "output", "sources")
 
     def __init__(self, graph, inputs, output):
         self.graph, self.inputs, self.output = graph, inputs, output
+        self.sources: list = [None] * len(inputs)  # per constant input: a weak reference to its last source
+
+    def load(self, leaves: list[torch.Tensor], variable: int) -> int:
+        """Copy the call's leaves into the static inputs: the first `variable` always, a constant
+        one only when it is not the tensor copied last time. Returns how many were copied."""
+        copied = 0
+        for j, (dst, src) in enumerate(zip(self.inputs, leaves)):
+            if not isinstance(src, torch.Tensor):  # an int: part of the signature
+                continue
+            if j >= variable:
+                ref = self.sources[j]
+                if ref is not None and ref() is src:
+                    continue
+                self.sources[j] = weakref.ref(src)
+            dst.copy_(src, non_blocking=True)
+            copied += 1
+        return copied
 
 
 class ShapeGraphs:
     def __init__(self, fn: Callable[..., torch.Tensor], *, max_graphs: int = 4, enabled: bool = True,
-                 capture_first: bool = False):
+                 capture_first: bool = False, constant_from: int | None = None):
         self.fn = fn
         self.max_graphs = int(max_graphs)
         self.enabled = bool(enabled)
         self.capture_first = bool(capture_first)
+        self.constant_from = constant_from
         self._graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
         self._seen: set[tuple] = set()
         self.captures = 0  # how many graphs were captured (tests and logs read it)
@@ -116,15 +143,20 @@ class ShapeGraphs:
             got = self._capture(key, leaves, spec)
         else:
             self._graphs.move_to_end(key)
-        for dst, src in zip(got.inputs, leaves):
-            dst.copy_(src, non_blocking=True)
+        got.load(leaves, self._variable_leaves(args, leaves))
         got.graph.replay()
         return pytree.tree_map(lambda t: t.clone(), got.output)
+
+    def _variable_leaves(self, args: tuple, leaves: list) -> int:
+        """How many leading leaves are copied at every replay (all without constant_from)."""
+        if self.constant_from is None:
+            return len(leaves)
+        return len(pytree.tree_leaves(args[:self.constant_from]))
 
     def _capture(self, key: tuple, leaves: list[torch.Tensor], spec) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
-        inputs = [a.clone() for a in leaves]
+        inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in leaves]
         args = pytree.tree_unflatten(inputs, spec)
         # one more eager run on a side stream (lazy inits there), then the capture in its own pool
         graph, output = capture_after_first_use(lambda: self.fn(*args), torch.cuda.Stream(device=leaves[0].device),
@@ -148,10 +180,10 @@ def _undecorated(fn: Callable) -> Callable:
     return inspect.unwrap(fn)
 
 
-def denoiser_step(fn: Callable[..., torch.Tensor]) -> ShapeGraphs:
+def denoiser_step(fn: Callable[..., torch.Tensor], constant_from: int | None = None) -> ShapeGraphs:
     """A denoising transformer's step as the diffusion pipelines run it: through torch.compile
     (Inductor, static shapes: one compile per batch shape) when MSTAR_DIT_COMPILE is on, then a
-    CUDA graph per batch shape (MSTAR_DIT_GRAPHS)."""
+    CUDA graph per batch shape (MSTAR_DIT_GRAPHS); constant_from as ShapeGraphs takes it."""
     if knobs.value("MSTAR_DIT_COMPILE"):
         import torch._dynamo
 
@@ -162,7 +194,7 @@ def denoiser_step(fn: Callable[..., torch.Tensor]) -> ShapeGraphs:
             with torch.inference_mode():  # what the step's own decorator did, outside the compiled code
                 return compiled(*args)
     graphs = int(knobs.value("MSTAR_DIT_GRAPHS"))
-    return ShapeGraphs(fn, max_graphs=max(graphs, 1), enabled=graphs > 0)
+    return ShapeGraphs(fn, max_graphs=max(graphs, 1), enabled=graphs > 0, constant_from=constant_from)
 
 
 __all__ = ["ShapeGraphs", "denoiser_step", "capture_after_first_use", "graph_mode", "padded_sizes", "padded_batch"]

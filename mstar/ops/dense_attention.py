@@ -130,19 +130,24 @@ def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_in
         if i == rows or shape[i] != shape[start]:
             runs.append((start, i))
             start = i
-    whole = qo[0] == 0 and kvp[0] == 0 and qo[-1] == q.shape[0] and kvp[-1] == k.shape[0]
-    out = None if len(runs) == 1 and whole else q.new_zeros(q.shape)
+    # the rows cover q from its first token to its last: the runs' outputs, concatenated, are the
+    # output (one copy); otherwise they go into a zeroed output at their rows
+    whole = qo[0] == 0 and qo[-1] == q.shape[0]
+    outs = []
     for a, b in runs:
         n, L = shape[a]
         if n == 0:
             continue
         q0, q1, k0, k1 = qo[a], qo[b], kvp[a], kvp[b]
-        o = _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
-                  v[k0:k1].view(b - a, L, *v.shape[1:]), scale, causal, prefer_cudnn).reshape(q1 - q0, *q.shape[1:])
-        if out is None:
-            return o
+        outs.append((q0, q1, _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
+                                   v[k0:k1].view(b - a, L, *v.shape[1:]), scale, causal,
+                                   prefer_cudnn).reshape(q1 - q0, *q.shape[1:])))
+    if whole and outs:
+        return outs[0][2] if len(outs) == 1 else torch.cat([o for _, _, o in outs])
+    out = q.new_zeros(q.shape)
+    for q0, q1, o in outs:
         out[q0:q1] = o
-    return out if out is not None else q.new_zeros(q.shape)
+    return out
 
 
 def dense_attention_cudnn(q, k, v, q_indptr, kv_indptr, scale: float, causal: bool) -> torch.Tensor:

@@ -135,4 +135,33 @@ qk_norm_rope_fp32_weight = define_op(
     "int num_kv_heads, int head_dim, int rotary_dim, float eps) -> (Tensor, Tensor, Tensor)",
     reference=_qk_norm_rope_fp32_weight_ref, fake=_qk_norm_rope_fp32_weight_fake)
 
-__all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "qk_norm_rope_fp32_weight", "split_qkv_heads"]
+
+
+def _qk_norm_rope_kv_fp32_weight_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                                     k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                                     num_kv_heads: int, head_dim: int, rotary_dim: int, eps: float,
+                                     k_out: torch.Tensor, v_out: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rope_fp32_weight whose k and v go into rows of existing buffers: token t's k and v
+    are written to k_out[kv_rows[t]] and v_out[kv_rows[t]] ([N, Hkv, D] each; an attention's joint
+    keys, the other rows untouched) -> q [T, Hq, D]."""
+    q, k, v = _qk_norm_rope_fp32_weight_ref(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads,
+                                            num_kv_heads, head_dim, rotary_dim, eps)
+    k_out.index_copy_(0, kv_rows, k.to(k_out.dtype))
+    v_out.index_copy_(0, kv_rows, v.to(v_out.dtype))
+    return q
+
+
+def _qk_norm_rope_kv_fp32_weight_fake(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+                                      head_dim, rotary_dim, eps, k_out, v_out, kv_rows):
+    return qkv.new_empty((qkv.shape[0], num_q_heads, head_dim))
+
+
+qk_norm_rope_kv_fp32_weight = define_op(
+    "qk_norm_rope_kv_fp32_weight",
+    "(Tensor qkv, Tensor positions, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, int num_q_heads, "
+    "int num_kv_heads, int head_dim, int rotary_dim, float eps, Tensor(a!) k_out, Tensor(b!) v_out, "
+    "Tensor kv_rows) -> Tensor",
+    reference=_qk_norm_rope_kv_fp32_weight_ref, fake=_qk_norm_rope_kv_fp32_weight_fake)
+
+__all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "qk_norm_rope_fp32_weight",
+           "qk_norm_rope_kv_fp32_weight", "split_qkv_heads"]

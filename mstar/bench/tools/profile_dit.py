@@ -78,6 +78,7 @@ def _cosmos3_step(args, dev, dtype):
     from mstar.models.cosmos3 import rope
     from mstar.models.cosmos3.family import _make_config, random_transformer
     from mstar.models.cosmos3.presets import get
+    from mstar.models.cosmos3.transformer import JointKV
     from mstar.models.shape_graphs import ShapeGraphs
     cfg = _make_config(get(args.model))
     transformer = random_transformer(cfg.transformer, 0, dev, dtype)
@@ -93,10 +94,10 @@ def _cosmos3_step(args, dev, dtype):
     table = table.repeat(args.rows, 1)
     rows = torch.arange(args.rows, device=dev)
     t = torch.full((args.rows,), 500, device=dev, dtype=torch.long)
-    kv = [u for _ in range(args.rows) for u in (und.k, und.v)]
-    model = ShapeGraphs(transformer.generate_rows, max_graphs=1, enabled=args.graph)
+    joint = JointKV.of([und] * args.rows, grid[0] * grid[1] * grid[2])
+    model = ShapeGraphs(transformer.generate_rows, max_graphs=1, enabled=args.graph, constant_from=2)
     flops = args.rows * cosmos3_step_flops(c, grid[0] * grid[1] * grid[2], L)
-    return model, (lambda: model(x, t, rows, table, *kv)), flops
+    return model, (lambda: model(x, t, rows, table, joint.kv_rows, joint.k, joint.v, joint.prompt_lens)), flops
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,9 @@ request, without its per-step re-run of the understanding tower:
                            request's flow_shift); each step is one generation-tower forward over the
                            batch's rows (the cond rows, then with guidance the uncond rows: the same
                            latents after another prompt, at other positions), each reading its own
-                           prompt's cached K/V (on CUDA a graph per batch shape: MSTAR_DIT_GRAPHS); guided per request in float32
+                           prompt's cached K/V, laid out once per batch (JointKV) with room for the
+                           vision keys each step writes (on CUDA a graph per batch shape:
+                           MSTAR_DIT_GRAPHS); guided per request in float32
                            (uncond + g * (cond - uncond), diffusers' order), then the scheduler step
     decode (one-shot)      denormalised latents (z * std + mean, in the VAE's dtype) through the Wan2.2
                            VAE decoder; pixels (v / 2 + 0.5).clamp(0, 1), float32, * 255 rounded to
@@ -45,6 +47,7 @@ import torch
 
 from mstar.models import interfaces as I
 from mstar.models.cosmos3 import rope
+from mstar.models.cosmos3.transformer import JointKV
 from mstar.models.generation_request import (FieldLimits, GenerationFields, field_error, initial_noise, media_outputs,
                                              parse_size, read_fields)
 from mstar.models.shape_graphs import denoiser_step
@@ -72,7 +75,8 @@ class Cosmos3Pipeline(I.Pipeline):
                  video_defaults=("832x480", 50, 5.0), max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.prompter, self.scheduler = transformer, vae, prompter, scheduler
-        self.graphed = denoiser_step(transformer.generate_rows)  # compiled / graphed per batch shape, as Wan's
+        # compiled / graphed per batch shape, as Wan's; the rows, tables and prompt K/V change only on join / leave
+        self.graphed = denoiser_step(transformer.generate_rows, constant_from=2)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames, self.fps, self.flow_shift = int(max_frames), float(fps), float(flow_shift)
         self.defaults = {False: tuple(image_defaults), True: tuple(video_defaults)}  # by `video`
@@ -169,16 +173,17 @@ class Cosmos3Pipeline(I.Pipeline):
                  "guidance": [p.guidance for p in ps], "cfg": ps[0].cfg, "items": items}
         return self._assemble(state)
 
-    @staticmethod
-    def _assemble(state: dict) -> dict:
-        """The rows of the batch's forward: every request's cond branch, then its uncond branch."""
+    def _assemble(self, state: dict) -> dict:
+        """The rows of the batch's forward: every request's cond branch, then its uncond branch,
+        with their prompts' K/V laid out once for every step (JointKV)."""
         items, branches = state["items"], (2 if state["cfg"] else 1)
         order = [(j, b) for b in range(branches) for j in range(len(items))]
         state["rows"] = [j for j, _ in order]
         state["und"] = [items[j]["und"][b] for j, b in order]
         state["table"] = torch.cat([items[j]["tables"][b] for j, b in order])
         state["idx"] = torch.tensor(state["rows"], dtype=torch.long).to(state["latents"].device)
-        state["kv"] = [t for u in state["und"] for t in (u.k, u.v)]
+        T, h, w = self.transformer.grid(state["latents"])
+        state["joint"] = JointKV.of(state["und"], T * h * w)
         return state
 
     def join(self, state: dict, reqs: list[I.MediaRequest]) -> dict:
@@ -206,7 +211,8 @@ class Cosmos3Pipeline(I.Pipeline):
         x = state["latents"]
         B = x.shape[0]
         t = self.scheduler.current_timesteps(state["scheds"], torch.long, x.device)
-        out = self.graphed(x, t, state["idx"], state["table"], *state["kv"])
+        j = state["joint"]
+        out = self.graphed(x, t, state["idx"], state["table"], j.kv_rows, j.k, j.v, j.prompt_lens)
         new = []
         for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):
             v = out[k:k + 1].float()

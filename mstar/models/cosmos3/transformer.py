@@ -30,12 +30,15 @@ halves, float32, rounded once; diffusers rotates in the model dtype: the same in
 norms are ops.rms_norm_fp32_weight, and in the generation tower each residual add with the norm
 after it one ops.fused_add_rms_norm_fp32_weight (a layer hands its MLP output to the next layer's
 first norm); the MLP's relu^2 is ops.relu_square: on CUDA one kernel each. A built model's
-generation q / k / v projections are one matrix (fuse_projections): one GEMM, then the head norms
-and the rotary in one ops.qk_norm_rope_fp32_weight.
+generation q / k / v projections are one matrix (fuse_projections): one GEMM, then one
+ops.qk_norm_rope_kv_fp32_weight: q normed and rotated, and k (normed, rotated) and v written
+straight into their rows of the joint keys and values the attention reads (JointKV: each row's
+cached prompt K/V followed by its vision tokens' rows), so a step never copies the prompt's K/V.
 
 Batches: `understand` takes any number of prompts (ragged rows, one causal attention call);
 `generate` takes R rows of one grid, each with its own latents row, timestep, cached prompt K/V
-(any length) and rotary table (the vision positions depend on the prompt's length).
+(any length) and rotary table (the vision positions depend on the prompt's length);
+`generate_rows` is the same forward over a JointKV built once for a batch (JointKV.of).
 Parameter names are diffusers' (no renames).
 """
 
@@ -181,19 +184,22 @@ class Cosmos3Attention(nn.Module):
         qkg, k = _rotate(table, torch.cat([q, kg], dim=1), k, d)  # one rotation of q and k_for_gen
         return qkg[:, :hq], k, qkg[:, hq:], v
 
-    def generation_qkv(self, h: torch.Tensor, table: torch.Tensor):
-        """h [N, hidden] (normed) -> (q, k, v) of the vision tokens, q and k normed and rotated."""
+    def generation_q(self, h: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, joint_k: torch.Tensor,
+                     joint_v: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] (normed) -> q [N, Hq, D] of the vision tokens, normed and rotated (token n at
+        table row positions[n]); their keys (normed, rotated) and values go into rows kv_rows of
+        joint_k / joint_v [*, Hkv, D]."""
         n, hq, hkv, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        if self._gen_qkv is not None:
-            qkv = F.linear(h, *self._gen_qkv)
-            pos = torch.arange(n, device=h.device)
-            return ops.qk_norm_rope_fp32_weight(qkv, pos, self.norm_added_q.weight, self.norm_added_k.weight, table,
-                                                hq, hkv, d, d, self.norm_added_q.eps)
+        if self._gen_qkv is not None:  # one GEMM, one kernel for the heads
+            return ops.qk_norm_rope_kv_fp32_weight(F.linear(h, *self._gen_qkv), positions, self.norm_added_q.weight,
+                                                   self.norm_added_k.weight, table, hq, hkv, d, d,
+                                                   self.norm_added_q.eps, joint_k, joint_v, kv_rows)
         q = self.norm_added_q(self.add_q_proj(h).view(n, hq, d))
         k = self.norm_added_k(self.add_k_proj(h).view(n, hkv, d))
-        v = self.add_v_proj(h).view(n, hkv, d)
-        q, k = _rotate(table, q, k, d)
-        return q, k, v
+        q, k = ops.rotary_embedding(positions, q, k, table, d)
+        joint_k.index_copy_(0, kv_rows, k)
+        joint_v.index_copy_(0, kv_rows, self.add_v_proj(h).view(n, hkv, d))
+        return q
 
 
 class Cosmos3Layer(nn.Module):
@@ -218,27 +224,48 @@ class Cosmos3Layer(nn.Module):
         x = x + attn.to_out(o.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x)), kg, v
 
-    def generate(self, x: torch.Tensor, mlp_out: torch.Tensor | None, table: torch.Tensor,
-                 und: list[tuple[torch.Tensor, torch.Tensor]], q_indptr: torch.Tensor,
+    def generate(self, x: torch.Tensor, mlp_out: torch.Tensor | None, table: torch.Tensor, positions: torch.Tensor,
+                 joint_k: torch.Tensor, joint_v: torch.Tensor, kv_rows: torch.Tensor, q_indptr: torch.Tensor,
                  kv_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R * S, hidden] (R rows of S vision tokens) + mlp_out (the previous layer's MLP output,
-        None at the first layer) is the layer's input; und: per row its prompt's (k, v) of this
-        layer. Returns (x after the attention's residual, this layer's MLP output): the next layer
-        adds the two in the kernel of its first norm."""
+        None at the first layer) is the layer's input; joint_k / joint_v [N, kv_heads, head_dim]
+        this layer's keys and values of every row, [its prompt's ; its vision tokens'] (JointKV):
+        the vision tokens' go into rows kv_rows. Returns (x after the attention's residual, this
+        layer's MLP output): the next layer adds the two in the kernel of its first norm."""
         attn = self.self_attn
         if mlp_out is None:
             h = self.input_layernorm_moe_gen(x)
         else:
             h, x = self.input_layernorm_moe_gen.add_forward(x, mlp_out)
-        q, k, v = attn.generation_qkv(h, table)
-        s = x.shape[0] // len(und)
-        keys, values = [], []
-        for r, (uk, uv) in enumerate(und):  # row r attends to [its prompt ; its vision tokens]
-            keys += [uk, k[r * s:(r + 1) * s]]
-            values += [uv, v[r * s:(r + 1) * s]]
-        o = ops.dense_attention(q, torch.cat(keys), torch.cat(values), q_indptr, kv_indptr, attn.scale, False)
+        q = attn.generation_q(h, table, positions, joint_k, joint_v, kv_rows)
+        o = ops.dense_attention(q, joint_k, joint_v, q_indptr, kv_indptr, attn.scale, False)
         h, x = self.post_attention_layernorm_moe_gen.add_forward(x, attn.to_add_out(o.flatten(1)))
         return x, self.mlp_moe_gen(h)
+
+
+@dataclass
+class JointKV:
+    """The generation tower's keys and values for R rows, laid out for its attention: row r holds
+    [its prompt's L_r cached keys ; S rows the step writes its vision tokens' keys into], the rows
+    one after the other. k, v [layers, sum(L_r + S), kv_heads, head_dim]; kv_rows [R * S] int64,
+    where each vision token's key goes; prompt_lens (L_0, ..., L_R-1)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_rows: torch.Tensor
+    prompt_lens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, und: list[UnderstandingKV], vision_tokens: int) -> "JointKV":
+        S = int(vision_tokens)
+        ks, vs, rows, off = [], [], [], 0
+        for u in und:
+            layers, L, hkv, d = u.k.shape
+            scratch = u.k.new_empty((layers, S, hkv, d))
+            ks += [u.k, scratch]
+            vs += [u.v, torch.empty_like(scratch)]
+            rows.append(torch.arange(off + L, off + L + S, device=u.k.device))
+            off += L + S
+        return cls(torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(rows), tuple(u.length for u in und))
 
 
 class Cosmos3Transformer(nn.Module):
@@ -345,27 +372,31 @@ class Cosmos3Transformer(nn.Module):
                              f"{self.config.head_dim}] table, timesteps [{latents.shape[0]}]; got {len(und)}, "
                              f"{tuple(table.shape)}, {tuple(timesteps.shape)}")
         idx = torch.tensor(rows, dtype=torch.long, device=latents.device)
-        return self.generate_rows(latents, timesteps, idx, table, *[t for u in und for t in (u.k, u.v)])
+        joint = JointKV.of(und, S)
+        return self.generate_rows(latents, timesteps, idx, table, joint.kv_rows, joint.k, joint.v, joint.prompt_lens)
 
     @torch.inference_mode()
     def generate_rows(self, latents: torch.Tensor, timesteps: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
-                      *kv: torch.Tensor) -> torch.Tensor:
-        """`generate` as a function of tensors alone (what a CUDA graph captures): rows [R] int64 on
-        the device; kv: row r's prompt keys and values [layers, L_r, kv_heads, head_dim] at 2r, 2r + 1."""
+                      kv_rows: torch.Tensor, joint_k: torch.Tensor, joint_v: torch.Tensor,
+                      prompt_lens: tuple[int, ...]) -> torch.Tensor:
+        """`generate` as a function of tensors and the prompts' lengths (what a CUDA graph captures):
+        rows [R] int64 on the device; kv_rows, joint_k, joint_v, prompt_lens a JointKV's (the vision
+        rows of joint_k / joint_v are scratch this writes)."""
         T, h, w = self.grid(latents)
         S, R = T * h * w, rows.shape[0]
         dt = self.dtype
         x = self.proj_in(self.patchify(latents.to(dt))) + self.time_embedding(timesteps)[:, None]  # [B, S, hidden]
         x = x.index_select(0, rows).reshape(R * S, -1)
-        ks, vs = kv[0::2], kv[1::2]
+        positions = torch.arange(R * S, device=x.device)
         q_indptr = _indptr([S] * R)
-        kv_indptr = _indptr([k.shape[1] + S for k in ks])
+        kv_indptr = _indptr([n + S for n in prompt_lens])
         mlp_out = None
         for i, layer in enumerate(self.layers):
-            x, mlp_out = layer.generate(x, mlp_out, table, [(k[i], v[i]) for k, v in zip(ks, vs)], q_indptr, kv_indptr)
+            x, mlp_out = layer.generate(x, mlp_out, table, positions, joint_k[i], joint_v[i], kv_rows, q_indptr,
+                                        kv_indptr)
         out = self.proj_out(self.norm_moe_gen.add_forward(x, mlp_out)[0] if mlp_out is not None else self.norm_moe_gen(x))
         return self.unpatchify(out.view(R, S, -1), (T, h, w))
 
 
-__all__ = ["TIME_FREQ_DIM", "FP32_MODULES", "UnderstandingKV", "NemotronRMSNorm", "ReLU2MLP", "Cosmos3Attention",
+__all__ = ["TIME_FREQ_DIM", "FP32_MODULES", "UnderstandingKV", "JointKV", "NemotronRMSNorm", "ReLU2MLP", "Cosmos3Attention",
            "Cosmos3Layer", "Cosmos3Transformer"]

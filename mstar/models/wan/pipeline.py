@@ -113,7 +113,7 @@ class WanPipeline(I.Pipeline):
                  guidance_scale: float = 5.0, max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.text_encoder, self.scheduler = transformer, vae, text_encoder, scheduler
-        self.graphed_transformer = denoiser_step(transformer)
+        self.graphed_transformer = denoiser_step(transformer, constant_from=2)  # the text: per batch
         self.expand_timesteps = bool(expand_timesteps)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames = int(max_frames)

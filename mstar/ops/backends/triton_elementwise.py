@@ -91,14 +91,11 @@ def _rotate(positions, x, cache, rotary_dim):
 
 
 @triton.jit
-def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, cache_ptr, dst_ptr, eps, n_heads,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
-    # one program per (token, head): RMSNorm of the head (rounded as ops.rms_norm rounds: NORM 0
-    # plain, 1 zero-centred; 2 as ops.rms_norm_fp32_weight), then rotary over its first 2 * HALF
-    # dims (rounded as ops.rotary_embedding rounds)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    base = src_ptr + t * src_tok_stride + h * src_head_stride
+def _norm_rope_head(base, pos, w_ptr, cache_ptr, out, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HALF: tl.constexpr, NORM: tl.constexpr):
+    # one head at `base` -> `out`: RMSNorm (rounded as ops.rms_norm rounds: NORM 0 plain, 1
+    # zero-centred; 2 as ops.rms_norm_fp32_weight), then rotary over its first 2 * HALF dims at
+    # position `pos` (rounded as ops.rotary_embedding rounds)
     dd = tl.arange(0, BLOCK_D)
     m = dd < D
     x = tl.load(base + dd, mask=m, other=0.0).to(tl.float32)
@@ -109,7 +106,7 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
     w = tl.load(w_ptr + dd, mask=m, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + i).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
-    ty = dst_ptr.dtype.element_ty
+    ty = out.dtype.element_ty
     if NORM == 0:  # rounded before the weight too
         y = ((x * inv).to(ty).to(tl.float32) * w).to(ty)
         y1 = (x1.to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
@@ -122,13 +119,47 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
         y = (x * inv * w).to(ty)
         y1 = (x1 * w1).to(ty).to(tl.float32)
         y2 = (x2 * w2).to(ty).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cache_ptr + pos * (2 * HALF) + i)
     sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i)
-    out = dst_ptr + (t * n_heads + h) * D
     tl.store(out + dd, y, mask=m & (dd >= 2 * HALF))  # the part rotary passes through
     tl.store(out + i, (y1 * cos - y2 * sin).to(ty))
     tl.store(out + HALF + i, (y2 * cos + y1 * sin).to(ty))
+
+
+@triton.jit
+def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, cache_ptr, dst_ptr, eps, n_heads,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    # one program per (token, head)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    _norm_rope_head(src_ptr + t * src_tok_stride + h * src_head_stride, pos, w_ptr, cache_ptr,
+                    dst_ptr + (t * n_heads + h) * D, eps, D, BLOCK_D, HALF, NORM)
+
+
+@triton.jit
+def _qkv_norm_rope_rows_kernel(src_ptr, src_tok_stride, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
+                               rows_ptr, eps, n_q, n_kv, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HALF: tl.constexpr, NORM: tl.constexpr):
+    # one program per (token, head of q | k | v) of the fused projection's row: q heads normed and
+    # rotated into q; k heads normed and rotated, v heads copied, into row rows[t] of k / v
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = src_ptr + t * src_tok_stride + h * D
+    if h < n_q:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        _norm_rope_head(base, pos, qw_ptr, cache_ptr, q_ptr + (t * n_q + h) * D, eps, D, BLOCK_D, HALF, NORM)
+    else:
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        if h < n_q + n_kv:
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+            _norm_rope_head(base, pos, kw_ptr, cache_ptr, k_ptr + (row * n_kv + h - n_q) * D, eps, D, BLOCK_D,
+                            HALF, NORM)
+        else:
+            dd = tl.arange(0, BLOCK_D)
+            m = dd < D
+            x = tl.load(base + dd, mask=m, other=0.0)
+            tl.store(v_ptr + (row * n_kv + h - n_q - n_kv) * D + dd, x.to(v_ptr.dtype.element_ty), mask=m)
 
 
 def _norm_rope(x, positions, weight, cache, eps, norm: int, rotary_dim):
@@ -167,6 +198,23 @@ def qk_norm_rope_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, 
     if not _kernel_takes(qkv, rotary_dim):
         return rotary.qk_norm_rope_fp32_weight.backends["reference"].fn(*args)
     return _qk_norm_rope(*args, 2, False)
+
+
+def qk_norm_rope_kv_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+                                head_dim, rotary_dim, eps, k_out, v_out, kv_rows):
+    ref = rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps,
+            k_out, v_out, kv_rows)
+    if not _kernel_takes(qkv, rotary_dim) or not (k_out.is_contiguous() and v_out.is_contiguous()):
+        return ref(*args)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    t = qkv.shape[0]
+    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _qkv_norm_rope_rows_kernel[(t, num_q_heads + 2 * num_kv_heads)](
+            qkv, qkv.stride(0), positions, q_weight, k_weight, cache, q, k_out, v_out, kv_rows, eps, num_q_heads,
+            num_kv_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), HALF=rotary_dim // 2, NORM=2)
+    return q
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
@@ -213,3 +261,5 @@ register_backend(rotary.qk_norm_rope, "triton", qk_norm_rope, available=_cuda, p
                  note="norm + rotary of each q / k head in one kernel")
 register_backend(rotary.qk_norm_rope_fp32_weight, "triton", qk_norm_rope_fp32_weight, available=_cuda, priority=20,
                  note="norm + rotary of each q / k head in one kernel")
+register_backend(rotary.qk_norm_rope_kv_fp32_weight, "triton", qk_norm_rope_kv_fp32_weight, available=_cuda,
+                 priority=20, note="q, k, v heads in one kernel, k and v written into their rows of the joint keys")
