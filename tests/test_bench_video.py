@@ -19,7 +19,8 @@ from mstar.models.wan.transformer_config import TINY_WAN_TRANSFORMER, WanTransfo
 
 @pytest.mark.parametrize("frames,height,width,text_len", [(5, 64, 96, 7), (1, 32, 32, 3), (9, 64, 64, 512)])
 def test_dit_flops_counts_every_matrix_product(frames, height, width, text_len):
-    """The formula against torch's count of the forward's matmuls (one timestep per row)."""
+    """The formula against torch's count of the forward's matmuls (one timestep per row), with the
+    text's keys / values in the step (the forward) and made before it (the pipeline's step)."""
     cfg = WanTransformerConfig.from_dict(TINY_WAN_TRANSFORMER)
     torch.manual_seed(frames)
     model = WanTransformer(cfg).eval()
@@ -28,6 +29,10 @@ def test_dit_flops_counts_every_matrix_product(frames, height, width, text_len):
     text = torch.randn(1, text_len, cfg.text_dim)
     with FlopCounterMode(display=False) as fc:
         model(x, torch.tensor([500.0]), text)
+    assert fc.get_total_flops() == B.dit_flops(cfg, frames, height, width, text_len, text_once=False)
+    kv = model.text_kv(text)
+    with FlopCounterMode(display=False) as fc:  # a step as the pipeline runs it: the text's k / v made before
+        model.forward_kv(x, torch.tensor([500.0]), *kv)
     assert fc.get_total_flops() == B.dit_flops(cfg, frames, height, width, text_len)
 
 

@@ -339,6 +339,29 @@ def test_tiny_preset_end_to_end():
     assert engine.num_finished == 4 and not engine.has_unfinished()
 
 
+def test_text_keys_are_made_once_a_batch(monkeypatch):
+    """The text's cross-attention keys / values are made on a batch's first step and after each
+    join or leave, not at every step."""
+    pipe = registry.family_of("tiny-wan").pipeline("tiny-wan", dtype=torch.float32, device="cpu")
+    calls = []
+    plain = pipe.transformer.text_kv
+    monkeypatch.setattr(pipe.transformer, "text_kv", lambda text: calls.append(text.shape[0]) or plain(text))
+    inputs = {"prompt": "a fox", "width": 32, "height": 32, "num_inference_steps": 4}
+
+    def req(rid, seed):
+        return I.MediaRequest(rid, {**inputs, "previous": pipe.encode([I.MediaRequest(rid, inputs, seed)])[0]}, seed)
+
+    state = pipe.start([req("a", 1)])
+    pipe.step(state, 0)
+    pipe.step(state, 1)
+    state = pipe.join(state, [req("b", 2)])
+    pipe.step(state, 2)
+    pipe.step(state, 3)
+    state, _ = pipe.leave(state, [0])
+    pipe.step(state, 4)
+    assert calls == [2, 4, 2]  # guided rows: cond + uncond per request
+
+
 @pytest.mark.parametrize("inputs,field", [
     ({"prompt": "x", "width": 48, "height": 48}, "size"),
     ({"prompt": "x", "width": 64, "height": 64, "num_frames": 18}, "num_frames"),

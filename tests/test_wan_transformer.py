@@ -206,6 +206,19 @@ def test_config_reading():
             WanTransformerConfig.from_dict(dict(TINY_WAN_TRANSFORMER, **bad))
 
 
+def test_text_kv_once_then_steps_are_the_forward(models):
+    """text_kv (the text embedder and every block's cross-attention keys / values, once a request)
+    then forward_kv is the forward, bit for bit; fresh inputs each run."""
+    cfg, _, model, _ = models
+    seed = int(torch.randint(1 << 30, ()).item())
+    latents, t, text = _inputs(2, 3, 4, 6, False, seed=seed)
+    k, v = model.text_kv(text)
+    assert k.shape == v.shape == (cfg.num_layers, 2, TEXT_LEN, cfg.dim)
+    assert torch.equal(model.forward_kv(latents, t, k, v), model(latents, t, text))
+    with pytest.raises(ValueError, match="text keys"):
+        model.forward_kv(latents, t, k[:, :1], v[:, :1])
+
+
 def test_bad_inputs(models):
     _, _, model, _ = models
     latents, t, text = _inputs(2, 3, 4, 6, False, seed=1)
@@ -236,10 +249,11 @@ def test_cuda_graph_replay_equals_eager(models):
     outputs, for two batch shapes (a graph each) and fresh inputs into a captured shape."""
     from mstar.models.shape_graphs import ShapeGraphs
     model = tw.load_transformer(models[3], dtype=torch.bfloat16, device="cuda")
-    graphed = ShapeGraphs(model, max_graphs=2)
+    graphed = ShapeGraphs(model.forward_kv, max_graphs=2, constant_from=2)  # as the pipeline builds it
     for seed, B in ((0, 2), (1, 2), (2, 1), (3, 2), (4, 1)):
         latents, t, text = (a.cuda() for a in _inputs(B, 3, 8, 8, False, seed))
         eager = model(latents, t, text)
+        kv = model.text_kv(text)
         for _ in range(3):
-            torch.testing.assert_close(graphed(latents, t, text), eager, rtol=0, atol=0)
+            torch.testing.assert_close(graphed(latents, t, *kv), eager, rtol=0, atol=0)
     assert graphed.captures == 2

@@ -54,22 +54,25 @@ BF16_PEAK_TFLOPS_H200 = 989.0
 
 # -- arithmetic ----------------------------------------------------------------------------------
 def dit_flops(cfg, frames: int, height: int, width: int, text_len: int = 512, vae_spatial: int = 16,
-              vae_temporal: int = 4) -> float:
-    """Floating-point operations of one transformer forward for one row (multiply-add = 2): the
-    patch embedding, text embedder, per block the self-attention (q, k, v, o projections and the
-    S x S scores and values), the cross-attention (q, o over S tokens, k, v over the text, S x L
-    scores) and the FFN, and the output projection. Norms, rotary and modulation are left out."""
+              vae_temporal: int = 4, text_once: bool = True) -> float:
+    """Floating-point operations of one transformer step for one row (multiply-add = 2): the
+    patch embedding, per block the self-attention (q, k, v, o projections and the S x S scores and
+    values), the cross-attention (q, o over S tokens, S x L scores) and the FFN, the output
+    projection and the timestep embedding. The text embedder and the cross-attention's k, v over
+    the text are counted only with text_once=False: the pipeline computes them once a request
+    (WanTransformer.text_kv), not at every step. Norms, rotary and modulation are left out."""
     pt, ph, pw = cfg.patch_size
     f = ((frames - 1) // vae_temporal + 1) // pt
     h, w = height // vae_spatial // ph, width // vae_spatial // pw
     S, L, d = f * h * w, text_len, cfg.dim
     patch = pt * ph * pw
     per_block = (2 * S * 4 * d * d + 4 * S * S * d  # self-attention
-                 + 2 * S * 2 * d * d + 2 * L * 2 * d * d + 4 * S * L * d  # cross-attention
+                 + 2 * S * 2 * d * d + 4 * S * L * d  # cross-attention
                  + 2 * S * 2 * d * cfg.ffn_dim)  # FFN
-    edges = 2 * S * cfg.in_channels * patch * d + 2 * L * (cfg.text_dim * d + d * d) \
-        + 2 * S * d * cfg.out_channels * patch + 2 * (cfg.freq_dim * d + d * d + d * 6 * d)
-    return float(cfg.num_layers * per_block + edges)
+    edges = 2 * S * cfg.in_channels * patch * d + 2 * S * d * cfg.out_channels * patch \
+        + 2 * (cfg.freq_dim * d + d * d + d * 6 * d)
+    text = cfg.num_layers * 2 * L * 2 * d * d + 2 * L * (cfg.text_dim * d + d * d)
+    return float(cfg.num_layers * per_block + edges + (0 if text_once else text))
 
 
 def cosmos3_step_flops(cfg, vision_tokens: int, prompt_len: int) -> float:
@@ -295,13 +298,14 @@ def run_mstar(args, pipe) -> list[dict]:
     return records
 
 
-def _flops(args, pipe) -> float | None:
-    """A Wan transformer row's forward FLOPs (None for other models: step times only)."""
+def _flops(args, pipe, text_once: bool = True) -> float | None:
+    """A Wan transformer row's step FLOPs (None for other models: step times only); text_once=False
+    for diffusers, whose step recomputes the text's keys and values."""
     if not hasattr(pipe, "text_encoder"):
         return None
     w, h = (int(v) for v in args.size.split("x"))
     return dit_flops(pipe.transformer.config, args.frames or 1, h, w, pipe.text_encoder.max_sequence_length,
-                     pipe.spatial, pipe.temporal)
+                     pipe.spatial, pipe.temporal, text_once=text_once)
 
 
 # -- diffusers -----------------------------------------------------------------------------------
@@ -367,7 +371,7 @@ def run_diffusers(args, pipe) -> list[dict]:
     cuda = args.device.startswith("cuda")
     cosmos3 = hasattr(pipe, "prompter")
     ref = (cosmos3_diffusers_pipeline if cosmos3 else wan_diffusers_pipeline)(args, pipe)
-    flops_row = _flops(args, pipe)
+    flops_row = _flops(args, pipe, text_once=False)
     w, h = (int(v) for v in args.size.split("x"))
     spans: dict[str, list[Span]] = {}
     # encode: Wan's text encoder; Cosmos3's prompt tokens (its understanding tower runs in every step)

@@ -113,7 +113,8 @@ class WanPipeline(I.Pipeline):
                  guidance_scale: float = 5.0, max_batch: int = 8, max_input_chars: int = MAX_INPUT_CHARS,
                  max_steps: int = MAX_STEPS):
         self.transformer, self.vae, self.text_encoder, self.scheduler = transformer, vae, text_encoder, scheduler
-        self.graphed_transformer = denoiser_step(transformer, constant_from=2)  # the text: per batch
+        # the text's keys / values (computed once a batch: transformer.text_kv) change only on join / leave
+        self.graphed_transformer = denoiser_step(transformer.forward_kv, constant_from=2)
         self.expand_timesteps = bool(expand_timesteps)
         self.sizes = tuple(str(s) for s in sizes)
         self.max_frames = int(max_frames)
@@ -254,6 +255,13 @@ class WanPipeline(I.Pipeline):
                "mask": state["mask"]}
         return out, outputs
 
+    def _text_kv(self, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's text keys / values (transformer.text_kv of state["text"]), made on the first
+        step after the batch's rows changed (start, join and leave make a new state)."""
+        if state.get("text_kv") is None:
+            state["text_kv"] = self.transformer.text_kv(state["text"])
+        return state["text_kv"]
+
     def num_steps(self, state: dict) -> int:
         return len(state["scheds"][0].timesteps)
 
@@ -276,8 +284,8 @@ class WanPipeline(I.Pipeline):
         if state["cfg"]:
             inp, t = torch.cat([inp, inp]), torch.cat([t, t])
         # per-token timesteps take a host sync inside the forward (torch.unique): no graph
-        forward = self.transformer if state["mask"] is not None else self.graphed_transformer
-        out = forward(inp, t, state["text"])
+        forward = self.transformer.forward_kv if state["mask"] is not None else self.graphed_transformer
+        out = forward(inp, t, *self._text_kv(state))
         new = []
         for k, (sched, g) in enumerate(zip(state["scheds"], state["guidance"])):
             pred = out[k:k + 1]

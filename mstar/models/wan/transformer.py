@@ -41,6 +41,11 @@ attn{1,2}.to_out.0 -> attn{1,2}.to_out, ffn.net.0.proj -> ffn.proj_in, ffn.net.2
 
 Attention runs through ops.dense_attention with the batch flattened into ragged rows (every row the
 same length); the text of a batch has one length (diffusers pads UMT5 states to 512).
+
+The text embedder and every block's cross-attention keys (normed) and values are a function of the
+text alone: `text_kv` computes them once ([blocks, B, L, dim] each) and `forward_kv` runs a step on
+them; `forward` is the two together (diffusers recomputes them at every step; the numbers are the
+same).
 """
 
 from __future__ import annotations
@@ -152,16 +157,26 @@ class WanAttention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """rope: (cos, sin) [S, head_dim // 2] float32 for self-attention (context None)."""
-        B, S, dim = x.shape
-        src = x if context is None else context
-        L = src.shape[1]
+        if context is not None:
+            return self.attend(x, *self.context_kv(context))
+        H = self.heads  # self-attention: norm and rotary in one pass
+        q = ops.rms_norm_rotary(self.to_q(x), self.norm_q.weight, *rope, H, self.norm_q.eps)
+        k = ops.rms_norm_rotary(self.to_k(x), self.norm_k.weight, *rope, H, self.norm_k.eps)
+        return self.attend_projected(q, k, self.to_v(x))
+
+    def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cross-attention's keys (normed) and values of `context` [B, L, dim]: a function of the
+        text alone, the same at every step of a request."""
+        return self.norm_k(self.to_k(context)), self.to_v(context)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Cross-attention of x [B, S, dim] to the context's keys / values [B, L, dim] (context_kv)."""
+        return self.attend_projected(self.norm_q(self.to_q(x)), k, v)
+
+    def attend_projected(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, S, dim = q.shape
+        L = k.shape[1]
         H, D = self.heads, self.head_dim
-        if rope is None:
-            q, k = self.norm_q(self.to_q(x)), self.norm_k(self.to_k(src))
-        else:  # self-attention (L = S): norm and rotary in one pass
-            q = ops.rms_norm_rotary(self.to_q(x), self.norm_q.weight, *rope, H, self.norm_q.eps)
-            k = ops.rms_norm_rotary(self.to_k(src), self.norm_k.weight, *rope, H, self.norm_k.eps)
-        q, k, v = q.view(B, S, H, D), k.view(B, L, H, D), self.to_v(src).view(B, L, H, D)
         o = ops.dense_attention(q.reshape(B * S, H, D), k.reshape(B * L, H, D), v.reshape(B * L, H, D),
                                 _indptr(B, S), _indptr(B, L), 1.0 / math.sqrt(D), False)
         return self.to_out(o.view(B, S, dim))
@@ -178,15 +193,16 @@ class WanBlock(nn.Module):
         self.ffn = FeedForward(dim, config.ffn_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim ** 0.5)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, proj: torch.Tensor, inverse: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [B, S, dim]; context [B, L, dim]; proj [U, 6, dim] (time_proj per distinct timestep);
-        inverse [B, S | 1] (each token's timestep, its row of the modulation table)."""
+    def forward(self, x: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor, proj: torch.Tensor,
+                inverse: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, S, dim]; text_k, text_v [B, L, dim] (attn2.context_kv of the text); proj [U, 6, dim]
+        (time_proj per distinct timestep); inverse [B, S | 1] (each token's timestep, its row of the
+        modulation table)."""
         mod = self.scale_shift_table.float() + proj.float()  # [U, 6, dim]: shift, scale, gate, c_*
         h = ops.modulated_layer_norm(x, mod[:, 0], mod[:, 1], inverse, self.eps)
         x = ops.gated_residual(x, self.attn1(h, None, rope), mod[:, 2], inverse)
         h = self.norm2(x) if self.norm2 is not None else x
-        x = x + self.attn2(h, context)
+        x = x + self.attn2.attend(h, text_k, text_v)
         h = ops.modulated_layer_norm(x, mod[:, 3], mod[:, 4], inverse, self.eps)
         return ops.gated_residual(x, self.ffn(h), mod[:, 5], inverse)
 
@@ -261,7 +277,7 @@ class WanTransformer(nn.Module):
         got = self._rope_grids[(f, h, w, device)] = (out[0], out[1])
         return got
 
-    def _check(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> tuple[int, ...]:
+    def _check(self, latents: torch.Tensor, timestep: torch.Tensor) -> tuple[int, ...]:
         c = self.config
         if latents.dim() != 5 or latents.shape[1] != c.in_channels:
             raise ValueError(f"wan transformer: latents must be [B, {c.in_channels}, F, H, W], got "
@@ -278,16 +294,49 @@ class WanTransformer(nn.Module):
         if timestep.shape not in ((B,), (B, f * h * w)):
             raise ValueError(f"wan transformer: timestep must be [{B}] or [{B}, {f * h * w}] (one per token), "
                              f"got {tuple(timestep.shape)}")
-        if text_states.dim() != 3 or text_states.shape[0] != B or text_states.shape[2] != c.text_dim:
-            raise ValueError(f"wan transformer: text_states must be [{B}, L, {c.text_dim}], got "
-                             f"{tuple(text_states.shape)}")
         return B, f, h, w
+
+    def _check_text(self, text_states: torch.Tensor, rows: int | None = None) -> None:
+        if text_states.dim() != 3 or (rows is not None and text_states.shape[0] != rows) \
+                or text_states.shape[2] != self.config.text_dim:
+            raise ValueError(f"wan transformer: text_states must be [{rows if rows is not None else 'B'}, L, "
+                             f"{self.config.text_dim}], got {tuple(text_states.shape)}")
+
+    @torch.inference_mode()
+    def text_kv(self, text_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """text_states [B, L, text_dim] -> every block's cross-attention keys and values of them,
+        [blocks, B, L, dim] each: what a request's text contributes to every step, computed once."""
+        return self._text_kv(text_states)
+
+    def _text_kv(self, text_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # undecorated (the public methods' inference_mode is not traced by torch.compile)
+        self._check_text(text_states)
+        context = self.condition_embedder.text_embedder(text_states.to(self.dtype))
+        ks, vs = zip(*(block.attn2.context_kv(context) for block in self.blocks))
+        return torch.stack(ks), torch.stack(vs)
 
     @torch.inference_mode()
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text_states: torch.Tensor) -> torch.Tensor:
         """latents [B, C, F, H, W]; timestep [B] or [B, S] (S = post-patch tokens, per token);
         text_states [B, L, text_dim] -> [B, C_out, F, H, W] in the model dtype."""
-        B, f, h, w = self._check(latents, timestep, text_states)
+        self._check(latents, timestep)
+        self._check_text(text_states, latents.shape[0])
+        return self._forward_kv(latents, timestep, *self._text_kv(text_states))
+
+    @torch.inference_mode()
+    def forward_kv(self, latents: torch.Tensor, timestep: torch.Tensor, text_k: torch.Tensor,
+                   text_v: torch.Tensor) -> torch.Tensor:
+        """`forward` after text_kv: text_k, text_v [blocks, B, L, dim] (the same numbers)."""
+        return self._forward_kv(latents, timestep, text_k, text_v)
+
+    def _forward_kv(self, latents: torch.Tensor, timestep: torch.Tensor, text_k: torch.Tensor,
+                    text_v: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if text_k.shape != text_v.shape or text_k.dim() != 4 or text_k.shape[0] != c.num_layers \
+                or text_k.shape[1] != latents.shape[0] or text_k.shape[3] != c.dim:
+            raise ValueError(f"wan transformer: text keys / values must be [{c.num_layers}, {latents.shape[0]}, L, "
+                             f"{c.dim}], got {tuple(text_k.shape)} and {tuple(text_v.shape)}")
+        B, f, h, w = self._check(latents, timestep)
         dt, dev = self.dtype, latents.device
         x = self.patch_embedding(latents.to(dt))  # [B, S, dim]
         rope = self.rope(f, h, w, dev)
@@ -298,10 +347,8 @@ class WanTransformer(nn.Module):
             uniq, inverse = torch.unique(timestep.reshape(-1), return_inverse=True)
             inverse = inverse.view(B, -1)  # [B, S]
         temb, proj = self.condition_embedder.time(uniq, dt)
-        context = self.condition_embedder.text_embedder(text_states.to(dt))
-
-        for block in self.blocks:
-            x = block(x, context, proj, inverse, rope)
+        for i, block in enumerate(self.blocks):
+            x = block(x, text_k[i], text_v[i], proj, inverse, rope)
 
         mod = self.scale_shift_table.float() + temb[:, None].float()  # [U, 2, dim]: shift, scale
         x = ops.modulated_layer_norm(x, mod[:, 0], mod[:, 1], inverse, self.config.eps)
