@@ -67,3 +67,11 @@ def test_conv_flops_are_counted_per_output_element():
     w = torch.randn(4, 3, 3, 3, 3)
     flops = profile_vae.count_conv_flops(lambda: torch.nn.functional.conv3d(torch.randn(1, 3, 5, 6, 7), w))
     assert flops == 2 * (3 * 27) * (4 * 3 * 4 * 5)
+
+
+def test_profile_dit_profiles_the_understanding_tower(capsys):
+    assert profile_dit.main(["--model", "tiny-cosmos3", "--understand", "--text-len", "12", "--repeats", "1",
+                             "--top", "2", "--device", "cpu"]) == 0
+    assert "understanding tower, prompts of 12 and 6 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        profile_dit.main(["--model", "tiny-wan", "--understand", "--device", "cpu"])

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from mstar.models import interfaces as I
+from mstar.models.host_copy import to_device
 
 
 def field_error(field: str, msg: str) -> ValueError:
@@ -113,7 +114,7 @@ def initial_noise(shape: tuple[int, ...], seed: int, device) -> torch.Tensor:
     """diffusers' prepare_latents with generator=torch.Generator().manual_seed(seed): float32 noise
     drawn on the CPU, then moved to the device."""
     g = torch.Generator().manual_seed(int(seed))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(device)
+    return to_device(torch.randn(shape, generator=g, dtype=torch.float32), device)
 
 
 def media_outputs(video: torch.Tensor, fields: list) -> list[list]:

@@ -95,10 +95,18 @@ def _cosmos3_step(args, dev, dtype):
     table = table.repeat(args.rows, 1)
     rows = torch.arange(args.rows, device=dev)
     t = torch.full((args.rows,), 500, device=dev, dtype=torch.long)
+    if args.understand:  # the request's first stage: the understanding tower over its prompts (eager)
+        prompts = [ids, ids[:max(1, L // 2)]]  # a guided request: the prompt and a shorter negative one
+        tables = [rope.rope_table(rope.text_positions(len(q), c), c) for q in prompts]
+        return _Eager(), (lambda: transformer.understand(prompts, tables)), 0.0
     joint = JointKV.of([und] * args.rows, grid[0] * grid[1] * grid[2])
     model = ShapeGraphs(transformer.generate_rows, max_graphs=1, enabled=args.graph, constant_from=2)
     flops = args.rows * cosmos3_step_flops(c, grid[0] * grid[1] * grid[2], L)
     return model, (lambda: model(x, t, rows, table, joint.kv_rows, joint.k, joint.v, joint.prompt_lens)), flops
+
+
+class _Eager:
+    captures = 0  # what main reads of a ShapeGraphs
 
 
 def main(argv=None) -> int:
@@ -113,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--graph", action="store_true", help="replay the forward as a CUDA graph (ShapeGraphs)")
+    p.add_argument("--understand", action="store_true",
+                   help="Cosmos3: profile the understanding tower over a guided request's two prompts (--text-len "
+                        "and half of it) instead of the step")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
     args = p.parse_args(argv)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -128,6 +139,8 @@ def main(argv=None) -> int:
         p.error(f"{args.model!r} is a {family} model, not a Wan or Cosmos3 preset")
     if args.text_len is None:
         args.text_len = 512 if family == "wan" else 256
+    if args.understand and family != "cosmos3":
+        p.error("--understand profiles Cosmos3's understanding tower")
     model, forward, flops = (_wan_step if family == "wan" else _cosmos3_step)(args, dev, dtype)
 
     def sync():
@@ -142,9 +155,10 @@ def main(argv=None) -> int:
         forward()
     sync()
     sec = (time.perf_counter() - t0) / args.repeats
-    print(f"{args.model} {args.size}x{args.frames} rows {args.rows}{' (CUDA graph)' if model.captures else ''}: "
-          f"{1e3 * sec:.2f} ms a forward, "
-          f"{flops / sec / 1e12:.1f} TFLOP/s", flush=True)
+    what = (f"understanding tower, prompts of {args.text_len} and {max(1, args.text_len // 2)} tokens"
+            if args.understand else f"{args.size}x{args.frames} rows {args.rows}")
+    print(f"{args.model} {what}{' (CUDA graph)' if model.captures else ''}: {1e3 * sec:.2f} ms a forward"
+          + (f", {flops / sec / 1e12:.1f} TFLOP/s" if flops else ""), flush=True)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:

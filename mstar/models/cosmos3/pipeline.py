@@ -50,6 +50,7 @@ from mstar.models.cosmos3 import rope
 from mstar.models.cosmos3.transformer import JointKV
 from mstar.models.generation_request import (FieldLimits, GenerationFields, field_error, initial_noise, media_outputs,
                                              parse_size, read_fields)
+from mstar.models.host_copy import to_device
 from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
@@ -158,7 +159,7 @@ class Cosmos3Pipeline(I.Pipeline):
         pp = cfg.latent_patch_size
         pos = rope.vision_positions((t, h // pp, w // pp), rope.vision_offset(prompt_len, cfg), p.fps,
                                     self.temporal, cfg)
-        return rope.rope_table(pos, cfg).to(self.device)
+        return to_device(rope.rope_table(pos, cfg), self.device)
 
     def start(self, reqs: list[I.MediaRequest]) -> dict:
         """The loop state of a batch: per request its latents row, scheduler state, guidance scale,
@@ -181,7 +182,7 @@ class Cosmos3Pipeline(I.Pipeline):
         state["rows"] = [j for j, _ in order]
         state["und"] = [items[j]["und"][b] for j, b in order]
         state["table"] = torch.cat([items[j]["tables"][b] for j, b in order])
-        state["idx"] = torch.tensor(state["rows"], dtype=torch.long).to(state["latents"].device)
+        state["idx"] = to_device(torch.tensor(state["rows"], dtype=torch.long), state["latents"].device)
         T, h, w = self.transformer.grid(state["latents"])
         state["joint"] = JointKV.of(state["und"], T * h * w)
         return state
@@ -198,7 +199,7 @@ class Cosmos3Pipeline(I.Pipeline):
         """The rows' final latents out, the others kept in the state."""
         outputs = [[state["latents"][j:j + 1]] for j in rows]
         keep = [j for j in range(len(state["scheds"])) if j not in set(rows)]
-        idx = torch.tensor(keep, dtype=torch.long, device=state["latents"].device)
+        idx = to_device(torch.tensor(keep, dtype=torch.long), state["latents"].device)
         out = {"latents": state["latents"].index_select(0, idx), "scheds": [state["scheds"][j] for j in keep],
                "guidance": [state["guidance"][j] for j in keep], "cfg": state["cfg"],
                "items": [state["items"][j] for j in keep]}

@@ -53,6 +53,7 @@ from torch import nn
 
 from mstar import ops
 from mstar.models.cosmos3.config import Cosmos3TransformerConfig
+from mstar.models.host_copy import to_device
 from mstar.models.wan.transformer import timestep_embedding
 
 TIME_FREQ_DIM = 256  # diffusers' Timesteps(num_channels=256, flip_sin_to_cos=True)
@@ -313,10 +314,11 @@ class Cosmos3Transformer(nn.Module):
         if min(lens) < 1 or any(t.shape != (n, self.config.head_dim) for t, n in zip(tables, lens)):
             raise ValueError("cosmos3 understand: every prompt needs a token and a [L, head_dim] table")
         dev = self.device
-        ids = torch.tensor([i for p in prompts for i in p], dtype=torch.long, device=dev)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+        flat = [int(i) for p in prompts for i in p]
+        if min(flat) < 0 or max(flat) >= self.config.vocab_size:  # checked on the host: no device read
             raise ValueError(f"cosmos3 understand: token ids must be in [0, {self.config.vocab_size})")
-        table = torch.cat(tables).to(dev)
+        ids = to_device(torch.tensor(flat, dtype=torch.long), dev)
+        table = to_device(torch.cat(tables), dev)
         indptr = _indptr(lens)
         x = self.embed_tokens(ids)
         ks, vs = [], []

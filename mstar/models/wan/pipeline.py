@@ -54,6 +54,7 @@ import torch
 
 from mstar.models import interfaces as I
 from mstar.models.generation_request import FieldLimits, field_error, initial_noise, media_outputs, read_fields
+from mstar.models.host_copy import to_device
 from mstar.models.shape_graphs import denoiser_step
 
 MAX_INPUT_CHARS = 4000
@@ -246,7 +247,7 @@ class WanPipeline(I.Pipeline):
         outputs = [[done[j:j + 1]] for j in rows]
         gone = set(rows)
         keep = [j for j in range(len(state["scheds"])) if j not in gone]
-        idx = torch.tensor(keep, dtype=torch.long, device=state["latents"].device)
+        idx = to_device(torch.tensor(keep, dtype=torch.long), state["latents"].device)
         cond, uncond = self._text_halves(state)
         text = [cond.index_select(0, idx)] + ([uncond.index_select(0, idx)] if state["cfg"] else [])
         out = {"latents": state["latents"].index_select(0, idx), "scheds": [state["scheds"][j] for j in keep],

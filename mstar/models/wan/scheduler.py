@@ -70,6 +70,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar.models.host_copy import to_device
+
 CLASS_NAME = "UniPCMultistepScheduler"
 CONFIG_FILE = "scheduler_config.json"
 
@@ -327,14 +329,8 @@ class FlowUniPCScheduler:
     @staticmethod
     def current_timesteps(states: list[UniPCState], dtype: torch.dtype, device) -> torch.Tensor:
         """The states' current timesteps as one [len(states)] tensor of `dtype` on `device` (from
-        states on the CPU, their default). A CUDA device gets them through pinned memory, copied
-        asynchronously: a copy from pageable memory would wait for the device to drain, leaving it
-        idle while the host prepares the next step."""
-        t = torch.stack([s.timestep for s in states]).to(dtype)
-        device = torch.device(device)
-        if device.type != "cuda":
-            return t.to(device)
-        return t.pin_memory().to(device, non_blocking=True)
+        states on the CPU, their default), copied without a host sync (models/host_copy.py)."""
+        return to_device(torch.stack([s.timestep for s in states]).to(dtype), device)
 
     def new_state(self, num_inference_steps: int, flow_shift: float | None = None, device="cpu") -> UniPCState:
         """A fresh state at step 0 of an N-step schedule (flow_shift None: the config's)."""
