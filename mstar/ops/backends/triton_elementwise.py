@@ -138,28 +138,70 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
 
 
 @triton.jit
-def _qkv_norm_rope_rows_kernel(src_ptr, src_tok_stride, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
-                               rows_ptr, eps, n_q, n_kv, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                               HALF: tl.constexpr, NORM: tl.constexpr):
-    # one program per (token, head of q | k | v) of the fused projection's row: q heads normed and
-    # rotated into q; k heads normed and rotated, v heads copied, into row rows[t] of k / v
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    base = src_ptr + t * src_tok_stride + h * D
-    if h < n_q:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        _norm_rope_head(base, pos, qw_ptr, cache_ptr, q_ptr + (t * n_q + h) * D, eps, D, BLOCK_D, HALF, NORM)
+def _norm_rope_heads(base, n_heads, pos, w_ptr, cache_ptr, out, eps, D: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr):
+    # all n_heads heads of one token at once (head h at base + h * D -> out + h * D), each as
+    # _norm_rope_head does it; dims [2 * HALF, D) (BLOCK_R > 0) pass the rotary through
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    hm = hh < n_heads
+    i = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(base + hh * D + i, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(base + hh * D + HALF + i, mask=hm, other=0.0).to(tl.float32)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    if BLOCK_R > 0:
+        r = 2 * HALF + tl.arange(0, BLOCK_R)[None, :]
+        rm = hm & (r < D)
+        x3 = tl.load(base + hh * D + r, mask=rm, other=0.0).to(tl.float32)
+        ss += tl.sum(x3 * x3, axis=1)
+    inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+    x1 = x1 * inv
+    x2 = x2 * inv
+    w1 = tl.load(w_ptr + i).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
+    ty = out.dtype.element_ty
+    if NORM == 1:
+        w1 = 1.0 + w1
+        w2 = 1.0 + w2
+    if NORM == 0:
+        y1 = (x1.to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        y2 = (x2.to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
     else:
-        row = tl.load(rows_ptr + t).to(tl.int64)
-        if h < n_q + n_kv:
-            pos = tl.load(pos_ptr + t).to(tl.int64)
-            _norm_rope_head(base, pos, kw_ptr, cache_ptr, k_ptr + (row * n_kv + h - n_q) * D, eps, D, BLOCK_D,
-                            HALF, NORM)
+        y1 = (x1 * w1).to(ty).to(tl.float32)
+        y2 = (x2 * w2).to(ty).to(tl.float32)
+    cos = tl.load(cache_ptr + pos * (2 * HALF) + i)
+    sin = tl.load(cache_ptr + pos * (2 * HALF) + HALF + i)
+    tl.store(out + hh * D + i, (y1 * cos - y2 * sin).to(ty), mask=hm)
+    tl.store(out + hh * D + HALF + i, (y2 * cos + y1 * sin).to(ty), mask=hm)
+    if BLOCK_R > 0:
+        w3 = tl.load(w_ptr + r, mask=r < D, other=0.0).to(tl.float32)
+        if NORM == 1:
+            w3 = 1.0 + w3
+        if NORM == 0:
+            y3 = ((x3 * inv).to(ty).to(tl.float32) * w3).to(ty)
         else:
-            dd = tl.arange(0, BLOCK_D)
-            m = dd < D
-            x = tl.load(base + dd, mask=m, other=0.0)
-            tl.store(v_ptr + (row * n_kv + h - n_q - n_kv) * D + dd, x.to(v_ptr.dtype.element_ty), mask=m)
+            y3 = (x3 * inv * w3).to(ty)
+        tl.store(out + hh * D + r, y3, mask=rm)
+
+
+@triton.jit
+def _qkv_norm_rope_rows_kernel(src_ptr, src_tok_stride, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
+                               rows_ptr, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
+                               BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                               NORM: tl.constexpr):
+    # one program per token of the fused projection's row [q heads | k heads | v heads]: the q
+    # heads normed and rotated into q; the k heads normed and rotated, the v heads copied, into
+    # row rows[t] of k / v
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    base = src_ptr + t * src_tok_stride
+    _norm_rope_heads(base, n_q, pos, qw_ptr, cache_ptr, q_ptr + t * n_q * D, eps, D, HALF, BLOCK_Q, BLOCK_R, NORM)
+    _norm_rope_heads(base + n_q * D, n_kv, pos, kw_ptr, cache_ptr, k_ptr + row * n_kv * D, eps, D, HALF, BLOCK_KV,
+                     BLOCK_R, NORM)
+    j = tl.arange(0, BLOCK_V)
+    vm = j < n_kv * D
+    x = tl.load(base + (n_q + n_kv) * D + j, mask=vm, other=0.0)
+    tl.store(v_ptr + row * n_kv * D + j, x.to(v_ptr.dtype.element_ty), mask=vm)
 
 
 def _norm_rope(x, positions, weight, cache, eps, norm: int, rotary_dim):
@@ -211,9 +253,12 @@ def qk_norm_rope_kv_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cach
     t = qkv.shape[0]
     q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t:
-        _qkv_norm_rope_rows_kernel[(t, num_q_heads + 2 * num_kv_heads)](
+        rest = head_dim - rotary_dim
+        _qkv_norm_rope_rows_kernel[(t,)](
             qkv, qkv.stride(0), positions, q_weight, k_weight, cache, q, k_out, v_out, kv_rows, eps, num_q_heads,
-            num_kv_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), HALF=rotary_dim // 2, NORM=2)
+            num_kv_heads, D=head_dim, HALF=rotary_dim // 2, BLOCK_Q=triton.next_power_of_2(num_q_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_R=triton.next_power_of_2(rest) if rest else 0,
+            BLOCK_V=triton.next_power_of_2(num_kv_heads * head_dim), NORM=2)
     return q
 
 
