@@ -169,27 +169,19 @@ KNOBS: tuple[Knob, ...] = (
          "between the matmuls and attention ops; the step graphs (MSTAR_DIT_GRAPHS) then capture the compiled "
          "step. Off: the eager step (bit-identical outputs to a build without this knob). "
          "tests/test_dit_compile.py checks the compiled step against the eager one."),
-    Knob("MSTAR_VAE_DTYPE", "choice", "float32",
-         "The Wan2.2 VAE's dtype (Wan, Cosmos3: the decode of every generation, the encode of an image to video): "
-         "float32 as diffusers' Wan pipelines run it; bfloat16 halves its bytes and runs its convolutions at the bf16 "
-         "matrix rate, at about 1% relative error in the pixels (a few uint8 levels at most; "
-         "tests/test_vae_dtype.py bounds it). Not yet measured on a GPU: float32 stays the default.",
-         choices=("float32", "bfloat16")),
-    Knob("MSTAR_VAE_CHANNELS_LAST", "bool", False,
+    Knob("MSTAR_VAE_DTYPE", "choice", "auto",
+         "The Wan2.2 VAE's dtype (Wan, Cosmos3: the decode of every generation, the encode of an image to video). "
+         "auto: each family as its diffusers pipeline is set up: Wan float32 (the Wan2.2 pipelines load their VAE "
+         "in float32), Cosmos3 the pipeline's dtype (Cosmos3OmniPipeline loaded with one torch_dtype). bfloat16 "
+         "runs the convolutions at the bf16 matrix rate, about 1.4% relative error in the pixels "
+         "(tests/test_vae_dtype.py bounds it): an 832x480x33 decode 1.03 -> 0.52 s on an H100 "
+         "(notes/denoise-levers.md).",
+         choices=("auto", "float32", "bfloat16")),
+    Knob("MSTAR_VAE_CHANNELS_LAST", "bool", True,
          "The Wan2.2 VAE's convolution weights and decode activations in channels_last_3d ([B, T, H, W, C] "
-         "memory), the layout cuDNN's tensor-core convolutions read without transposing; off: the default "
-         "layout (bit-identical to a build without this knob). The same function: "
-         "tests/test_vae_decode_options.py bounds the difference. Not yet measured on a GPU."),
-    Knob("MSTAR_VAE_CUDNN_BENCHMARK", "bool", False,
-         "The Wan2.2 VAE's decode lets cuDNN time its convolution algorithms once per new shape and keep the "
-         "fastest (torch.backends.cudnn.benchmark, inside the decode only); the first decode of a size pays the "
-         "search. Off: cuDNN's heuristic choice. Not yet measured on a GPU."),
-    Knob("MSTAR_VAE_LATENT_CHUNK", "int", 1,
-         "Latent frames per step of the Wan2.2 VAE's decoder after the first (1: the release's one at a time). "
-         "Its temporal layers are causal windows over cached frames, so the video is the same function of the "
-         "latents at any chunk (tests/test_vae_decode_options.py); larger chunks make the small levels' "
-         "convolutions larger and the steps fewer, at more activation memory. Not yet measured on a GPU.",
-         minimum=1),
+         "memory), the layout cuDNN's tensor-core convolutions read without transposing: the same function "
+         "(tests/test_vae_decode_options.py), 3-4% faster decodes on an H100 (notes/denoise-levers.md). Off: "
+         "the contiguous layout."),
     Knob("MSTAR_TTS_FRAME_GRAPHS", "bool", True,
          "Qwen3-TTS on CUDA replays each frame (the talker's decode, the code predictor's 15 steps and their "
          "sampling) as one CUDA graph, captured per padded batch size (1, 2, 4, then multiples of 8) on its first "

@@ -1,6 +1,6 @@
 """The step and VAE profilers (mstar/bench/tools/profile_dit.py, profile_vae.py) on CPU with tiny
 models: Cosmos3's step FLOPs against torch's FLOP counter, both profilers' output, and the VAE
-profiler's records (one per combination of the decode options, the float32 ones the same video)."""
+profiler's records (one per dtype and layout, the float32 ones the same video)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,9 @@ def test_profile_dit_refuses_other_families():
 def test_profile_vae_records_every_combination(tmp_path, capsys):
     out = tmp_path / "vae.jsonl"
     assert profile_vae.main(["--tiny", "--size", "64x32", "--frames", "9", "--dtypes", "float32", "bfloat16",
-                             "--channels-last", "0", "1", "--cudnn-benchmark", "0", "--latent-chunk", "1", "2",
-                             "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+                             "--channels-last", "0", "1", "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(recs) == 2 * 2 * 2 and capsys.readouterr().out.count("a decode") == 8
+    assert len(recs) == 2 * 2 and capsys.readouterr().out.count("a decode") == 4
     for r in recs:
         assert r["bench"] == "vae_decode" and r["commit"] and r["decode_s"] > 0 and r["conv_tflop"] >= 0
         if r["dtype"] == "float32":  # options that keep the function: rounding apart
@@ -60,7 +59,7 @@ def test_profile_vae_records_every_combination(tmp_path, capsys):
         else:
             assert 0 < r["rel_vs_first"] < 3e-2
     first = recs[0]
-    assert (first["dtype"], first["channels_last"], first["latent_chunk"]) == ("float32", False, 1)
+    assert (first["dtype"], first["channels_last"]) == ("float32", False)
 
 
 def test_conv_flops_are_counted_per_output_element():

@@ -19,7 +19,8 @@ allocated during the point (the models' weights included). Stage times are GPU s
 CUDA events (no added synchronisation), host clocks on the CPU.
 
 Baseline (--baseline diffusers, before mstar's points, same process and GPU), one request at a
-time (neither pipeline batches requests), output_type "np", with the same stage split:
+time (neither pipeline batches requests), output_type "np", its VAE in the dtype of mstar's
+(MSTAR_VAE_DTYPE), with the same stage split:
 - Wan: diffusers' WanPipeline (expand_timesteps as the TI2V release) over its own
   WanTransformer3DModel and AutoencoderKLWan with random weights of the same configs, sharing
   mstar's text encoder and tokenizer; encode = encode_prompt.
@@ -335,7 +336,7 @@ def wan_diffusers_pipeline(args, pipe):
     torch.manual_seed(0)
     with torch.device(args.device):
         transformer = WanTransformer3DModel(**_public(cfg.transformer)).to(args.torch_dtype).eval()
-        vae = AutoencoderKLWan(**_public(cfg.vae)).float().eval()
+        vae = AutoencoderKLWan(**_public(cfg.vae)).to(pipe.vae.dtype).eval()  # mstar's VAE dtype
     sched = UniPCMultistepScheduler(**_public(cfg.scheduler))
     te = pipe.text_encoder
     out = DiffusersWan(tokenizer=te.tokenizer, text_encoder=te.model, vae=vae, scheduler=sched,
@@ -357,7 +358,7 @@ def cosmos3_diffusers_pipeline(args, pipe):
     torch.manual_seed(0)
     with torch.device(args.device):
         transformer = Cosmos3OmniTransformer.from_config(_public(cfg.transformer)).to(args.torch_dtype).eval()
-        vae = AutoencoderKLWan(**_public(cfg.vae)).float().eval()
+        vae = AutoencoderKLWan(**_public(cfg.vae)).to(pipe.vae.dtype).eval()  # mstar's VAE dtype
     sched = UniPCMultistepScheduler(**_public(cfg.scheduler))
     out = Cosmos3OmniPipeline(transformer=transformer, text_tokenizer=tokenizer, vae=vae, scheduler=sched,
                               enable_safety_checker=False, default_use_system_prompt=cfg.use_system_prompt,

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from mstar.models import interfaces as I
@@ -119,12 +118,13 @@ def initial_noise(shape: tuple[int, ...], seed: int, device) -> torch.Tensor:
 
 def media_outputs(video: torch.Tensor, fields: list) -> list[list]:
     """VAE output [B, 3, F, H, W] in [-1, 1] -> per request [VideoFrames] (fields[b].video) or
-    [Image]: pixels (v / 2 + 0.5).clamp(0, 1) as float32, * 255 rounded to uint8 (diffusers' np
-    output and its numpy_to_pil rounding). fields[b] has `video` and `fps`."""
-    px = (video * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-    frames = (px * 255).round().astype(np.uint8)  # [B, F, H, W, 3]
-    return [[I.VideoFrames(np.ascontiguousarray(f), p.fps)] if p.video else [I.Image(f[0].copy())]
-            for p, f in zip(fields, frames)]
+    [Image]: pixels (v / 2 + 0.5).clamp(0, 1) as float32, * 255 rounded (half to even) to uint8
+    (diffusers' np output and its numpy_to_pil rounding). fields[b] has `video` and `fps`. The
+    pixels are made where the video is (a quarter of the float32 bytes cross to the host, and the
+    GPU does the arithmetic): the same IEEE float32 operations as numpy's, so the same bytes."""
+    px = (video * 0.5 + 0.5).clamp(0, 1).float()
+    frames = (px * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()  # [B, F, H, W, 3]
+    return [[I.VideoFrames(f, p.fps)] if p.video else [I.Image(f[0].copy())] for p, f in zip(fields, frames)]
 
 
 __all__ = ["field_error", "number", "parse_size", "GenerationFields", "FieldLimits", "read_fields", "initial_noise",

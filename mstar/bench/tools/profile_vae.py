@@ -1,24 +1,21 @@
-"""The Wan2.2 VAE's decode (Wan and Cosmos3 videos and images) under each decode option, on the
+"""The Wan2.2 VAE's decode (Wan and Cosmos3 videos and images) in each dtype and layout, on the
 published shape with random weights.
 
-    python -m mstar.bench.tools.profile_vae --size 832x480 --frames 33 \
-        --dtypes float32 bfloat16 --channels-last 0 1 --cudnn-benchmark 0 1 --latent-chunk 1 2
+    python -m mstar.bench.tools.profile_vae --size 832x480 --frames 33 --dtypes float32 bfloat16 --channels-last 0 1
 
-Every combination of the options (WanVAE.set_decode_options; the MSTAR_VAE_DTYPE,
-MSTAR_VAE_CHANNELS_LAST, MSTAR_VAE_CUDNN_BENCHMARK and MSTAR_VAE_LATENT_CHUNK knobs) decodes the
-same random latents: one decode to warm up (cuDNN's algorithm search with benchmark on), then
---repeats timed ones. Each line gives the decode's seconds, the convolutions' achieved TFLOP/s
-(2 x weight[0].numel() x output elements, counted on the warm-up), the peak memory, and the
-video's difference from the first combination's (max abs over [-1, 1], relative L2). The bfloat16
-VAE has the float32 one's weights, rounded. --profile prints the kernel groups of one decode of
-each combination; --out appends one JSON record per combination.
+Every combination (the MSTAR_VAE_DTYPE and MSTAR_VAE_CHANNELS_LAST knobs) decodes the same random
+latents: one decode to warm up, then --repeats timed ones. Each line gives the decode's seconds,
+the convolutions' achieved TFLOP/s (2 x weight[0].numel() x output elements, counted on the
+warm-up), the peak memory, and the video's difference from the first combination's (max abs over
+[-1, 1], relative L2). The bfloat16 VAE has the float32 one's weights, rounded. --profile prints
+the kernel groups of one decode of each combination; --out appends one JSON record per
+combination.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import time
 
@@ -50,8 +47,6 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="videos decoded together")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--channels-last", nargs="+", type=int, default=[0, 1], choices=[0, 1])
-    p.add_argument("--cudnn-benchmark", nargs="+", type=int, default=[0, 1], choices=[0, 1])
-    p.add_argument("--latent-chunk", nargs="+", type=int, default=[1], help="latent frames a decoder step")
     p.add_argument("--repeats", type=int, default=2, help="timed decodes per combination")
     p.add_argument("--profile", action="store_true", help="print the kernel groups of one decode of each")
     p.add_argument("--top", type=int, default=12, help="kernels listed with --profile")
@@ -59,8 +54,6 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
     p.add_argument("--tiny", action="store_true", help="the tiny test VAE (a CPU check of the tool)")
     args = p.parse_args(argv)
-    if any(k < 1 for k in args.latent_chunk):
-        p.error("--latent-chunk values must be >= 1")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
 
@@ -87,9 +80,9 @@ def main(argv=None) -> int:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         vae = base if dtype == torch.float32 else random_vae(raw, 0, dev, torch.float32).to(dtype)
-        for cl, bench, chunk in itertools.product(args.channels_last, args.cudnn_benchmark, args.latent_chunk):
-            vae.set_decode_options(latent_chunk=chunk, channels_last=bool(cl), cudnn_benchmark=bool(bench))
-            name = f"{dtype_name} channels_last={cl} cudnn_benchmark={bench} latent_chunk={chunk}"
+        for cl in args.channels_last:
+            vae.set_channels_last(bool(cl))
+            name = f"{dtype_name} channels_last={cl}"
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -121,7 +114,7 @@ def main(argv=None) -> int:
                 rec = {"bench": "vae_decode", "date": datetime.date.today().isoformat(), "commit": git_commit(),
                        "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "size": args.size,
                        "frames": args.frames, "batch": args.batch, "dtype": dtype_name, "channels_last": bool(cl),
-                       "cudnn_benchmark": bool(bench), "latent_chunk": chunk, "decode_s": round(sec, 4),
+                       "decode_s": round(sec, 4),
                        "conv_tflops": round(flops / sec / 1e12, 1), "conv_tflop": round(flops / 1e12, 2),
                        "peak_gib": round(peak, 2) if peak is not None else None,
                        "max_abs_vs_first": diff, "rel_vs_first": rel}

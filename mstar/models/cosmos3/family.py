@@ -101,7 +101,7 @@ def cosmos3_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights:
     from mstar.models.wan.scheduler import FlowUniPCScheduler
 
     dtype = dtype or torch.float32
-    vae_dtype = vae_dtype or default_vae_dtype()
+    vae_dtype = vae_dtype or default_vae_dtype(dtype)  # Cosmos3OmniPipeline: one torch_dtype for all
     if os.path.isdir(name_or_dir):
         from transformers import AutoTokenizer
         cfg = config_from_dir(name_or_dir)

@@ -120,20 +120,20 @@ def random_vae(raw: dict, seed: int, device, dtype):
     return _seeded(seed, device, build).to(dtype).eval().requires_grad_(False)
 
 
-def default_vae_dtype():
-    """The VAE's dtype where the caller names none: MSTAR_VAE_DTYPE (float32 unless set)."""
+def default_vae_dtype(family_dtype):
+    """The VAE's dtype where the caller names none: MSTAR_VAE_DTYPE, its "auto" the family's
+    `family_dtype` (Wan: float32; Cosmos3: the pipeline's dtype)."""
     import torch
 
     from mstar import knobs
-    return getattr(torch, knobs.value("MSTAR_VAE_DTYPE"))
+    name = knobs.value("MSTAR_VAE_DTYPE")
+    return family_dtype if name == "auto" else getattr(torch, name)
 
 
 def configure_vae(vae):
-    """vae with the decode options the MSTAR_VAE_* knobs name (WanVAE.set_decode_options)."""
+    """vae in the layout MSTAR_VAE_CHANNELS_LAST names (WanVAE.set_channels_last)."""
     from mstar import knobs
-    return vae.set_decode_options(latent_chunk=knobs.value("MSTAR_VAE_LATENT_CHUNK"),
-                                  channels_last=knobs.value("MSTAR_VAE_CHANNELS_LAST"),
-                                  cudnn_benchmark=knobs.value("MSTAR_VAE_CUDNN_BENCHMARK"))
+    return vae.set_channels_last(knobs.value("MSTAR_VAE_CHANNELS_LAST"))
 
 
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
@@ -147,7 +147,7 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
     from mstar.models.wan.text_encoder import byte_tokenizer, load_text_encoder, random_text_encoder
 
     dtype = dtype or torch.float32
-    vae_dtype = vae_dtype or default_vae_dtype()
+    vae_dtype = vae_dtype or default_vae_dtype(torch.float32)  # the Wan2.2 pipelines' float32 VAE
     if os.path.isdir(name_or_dir):
         cfg = config_from_dir(name_or_dir)
         if random_weights:

@@ -16,15 +16,9 @@ time (`decode_chunks` yields each step's frames: 1 for the first latent frame, 4
 one), unpatchify and clamp to [-1, 1]. Each step is `decode_step(frame, cache, first)`, whose only
 state is the FrameCache: a spatially tiled decode runs the same loop with one cache per tile.
 
-Decode options (`set_decode_options`; the pipelines take them from the MSTAR_VAE_* knobs):
-  latent_chunk     latent frames per decoder step after the first (the release: 1). Every temporal
-                   layer after the first latent frame is a causal window over its cached history,
-                   so any chunking gives the same function (tests/test_vae_decode_options.py); more
-                   frames a step make the small levels' convolutions larger and the steps fewer
-  channels_last    weights and activations in channels_last_3d ([B, T, H, W, C] memory), the
-                   layout cuDNN's tensor-core convolutions take without transposing
-  cudnn_benchmark  cuDNN times its convolution algorithms for each new shape (once) and keeps the
-                   fastest, for the decode only
+Layout (`set_channels_last`; the pipelines follow MSTAR_VAE_CHANNELS_LAST): weights and
+activations in channels_last_3d ([B, T, H, W, C] memory), the layout cuDNN's tensor-core
+convolutions take without transposing; the layers keep whichever layout they are given.
 
 The latents the diffusion model works in are normalised per channel with the config's
 latents_mean / latents_std; that is the pipeline's business (normalize_latents after encode,
@@ -33,7 +27,6 @@ denormalize_latents before decode), not done inside encode / decode.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -64,17 +57,6 @@ def unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:
     b, cp, f, h, w = x.shape
     x = x.view(b, cp // (p * p), p, p, f, h, w).permute(0, 1, 4, 5, 3, 6, 2)
     return x.reshape(b, cp // (p * p), f, h * p, w * p)
-
-
-@contextlib.contextmanager
-def _cudnn_benchmark():
-    """torch.backends.cudnn.benchmark on inside, restored after (no other cuDNN setting touched)."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 class WanVAEEncoder(nn.Module):
@@ -134,17 +116,13 @@ class WanVAE(nn.Module):
         self.quant_conv = CausalConv3d(2 * z, 2 * z, 1)
         self.post_quant_conv = CausalConv3d(z, z, 1)
         self.decoder = WanVAEDecoder(config)
-        self.latent_chunk, self.channels_last, self.cudnn_benchmark = 1, False, False
+        self.channels_last = False
 
-    def set_decode_options(self, latent_chunk: int = 1, channels_last: bool = False,
-                           cudnn_benchmark: bool = False) -> "WanVAE":
-        """The decode's options (module docstring); channels_last moves the convolution weights
-        into that layout (the 2-D ones as channels_last) or back."""
-        if int(latent_chunk) < 1:
-            raise ValueError(f"wan vae: latent_chunk must be >= 1, got {latent_chunk}")
-        self.latent_chunk, self.cudnn_benchmark = int(latent_chunk), bool(cudnn_benchmark)
-        if bool(channels_last) != self.channels_last:
-            self.channels_last = bool(channels_last)
+    def set_channels_last(self, on: bool = True) -> "WanVAE":
+        """Convolution weights (the 2-D ones as channels_last) and decode activations in
+        channels_last_3d, or back to contiguous."""
+        if bool(on) != self.channels_last:
+            self.channels_last = bool(on)
             formats = ({4: torch.channels_last, 5: torch.channels_last_3d} if self.channels_last else
                        {4: torch.contiguous_format, 5: torch.contiguous_format})
             with torch.no_grad():
@@ -186,8 +164,8 @@ class WanVAE(nn.Module):
 
     # ---- decode -----------------------------------------------------------------------------------
     def decode_step(self, frame: torch.Tensor, cache: FrameCache, first: bool) -> torch.Tensor:
-        """Latent frames [B, z, n, h, w] (after post_quant_conv; n = 1 when first) -> video frames
-        [B, 3, 1 if first else 4 n, 16 h, 16 w] in [-1, 1], advancing `cache`."""
+        """One latent frame [B, z, 1, h, w] (after post_quant_conv) -> video frames
+        [B, 3, 1 if first else 4, 16 h, 16 w] in [-1, 1], advancing `cache`."""
         out = self.decoder(frame, cache, first)
         return unpatchify(out, self.config.patch).clamp_(-1.0, 1.0)
 
@@ -199,17 +177,10 @@ class WanVAE(nn.Module):
         x = latents.to(self.dtype)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last_3d)
-        with self._cudnn():
-            x = self.post_quant_conv(x)
-        cache, n, k = FrameCache(), x.shape[2], self.latent_chunk
-        for i in [0, *range(1, n, k)]:
-            with self._cudnn():
-                out = self.decode_step(x[:, :, i:min(i + k, n) if i else 1], cache, first=i == 0)
-            yield out
-
-    def _cudnn(self):
-        """cuDNN's algorithm search on (cudnn_benchmark) around one decode step, else nothing."""
-        return _cudnn_benchmark() if self.cudnn_benchmark else contextlib.nullcontext()
+        x = self.post_quant_conv(x)
+        cache = FrameCache()
+        for i in range(x.shape[2]):
+            yield self.decode_step(x[:, :, i:i + 1], cache, first=i == 0)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """[B, z, F', h, w] -> [B, 3, 1 + 4 (F' - 1), 16 h, 16 w] in [-1, 1]."""
