@@ -3,7 +3,8 @@ shape over one sequence [prompt ; vision], split into the two computations they 
 
     understanding tower  the prompt's tokens, causal: token embeddings through every layer's
                          input_layernorm, to_q / to_k / to_v (GQA), the rotary, causal attention,
-                         to_out, post_attention_layernorm, mlp. It never reads the vision tokens,
+                         to_out, post_attention_layernorm, mlp (each residual add in the kernel
+                         of the norm after it). It never reads the vision tokens,
                          so its keys and values are a function of the prompt alone: `understand`
                          runs it once per prompt and keeps, per layer, the keys the generation
                          tower reads (k_norm_und_for_gen(k) when the config has it, rotated) and
@@ -215,15 +216,22 @@ class Cosmos3Layer(nn.Module):
         self.post_attention_layernorm = NemotronRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm_moe_gen = NemotronRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def understand(self, x: torch.Tensor, table: torch.Tensor, indptr: torch.Tensor, last: bool):
-        """x [N, hidden] (ragged prompts) -> (next x or None when last, k_for_gen, v)."""
+    def understand(self, x: torch.Tensor, mlp_out: torch.Tensor | None, table: torch.Tensor, indptr: torch.Tensor,
+                   last: bool):
+        """x [N, hidden] (ragged prompts) + mlp_out (the previous layer's MLP output, None at the
+        first layer) is the layer's input -> (x after the attention's residual, this layer's MLP
+        output; both None when last, k_for_gen, v). The residual adds run in the norms' kernels."""
         attn = self.self_attn
-        q, k, kg, v = attn.understanding_qkv(self.input_layernorm(x), table)
+        if mlp_out is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(x, mlp_out)
+        q, k, kg, v = attn.understanding_qkv(h, table)
         if last:
-            return None, kg, v
+            return None, None, kg, v
         o = ops.dense_attention(q, k, v, indptr, indptr, attn.scale, True)
-        x = x + attn.to_out(o.flatten(1))
-        return x + self.mlp(self.post_attention_layernorm(x)), kg, v
+        h, x = self.post_attention_layernorm.add_forward(x, attn.to_out(o.flatten(1)))
+        return x, self.mlp(h), kg, v
 
     def generate(self, x: torch.Tensor, mlp_out: torch.Tensor | None, table: torch.Tensor, positions: torch.Tensor,
                  joint_k: torch.Tensor, joint_v: torch.Tensor, kv_rows: torch.Tensor, q_indptr: torch.Tensor,
@@ -320,10 +328,10 @@ class Cosmos3Transformer(nn.Module):
         ids = to_device(torch.tensor(flat, dtype=torch.long), dev)
         table = to_device(torch.cat(tables), dev)
         indptr = _indptr(lens)
-        x = self.embed_tokens(ids)
+        x, mlp_out = self.embed_tokens(ids), None
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.understand(x, table, indptr, last=i == len(self.layers) - 1)
+            x, mlp_out, k, v = layer.understand(x, mlp_out, table, indptr, last=i == len(self.layers) - 1)
             ks.append(k)
             vs.append(v)
         k, v = torch.stack(ks), torch.stack(vs)  # [layers, N, kv_heads, head_dim]
