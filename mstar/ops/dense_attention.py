@@ -18,6 +18,8 @@ in one call when they have equal lengths (the encoder case), else one call per r
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,8 +87,7 @@ dense_attention = define_op(
     reference=_dense_attention_ref, fake=_dense_attention_fake)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-          prefer_cudnn: bool = False) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """q [B, n, Hq, D], k/v [B, L, Hkv, D] -> [B, n, Hq, D] in q's dtype.
 
     Causal with n == L (a prompt attending to itself) is SDPA's is_causal; causal with n < L (the
@@ -105,12 +106,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
         v = v.repeat_interleave(g, dim=2)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     kw = dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    if prefer_cudnn:
-        with sdpa_kernel(_CUDNN_FIRST, set_priority=True):
-            o = F.scaled_dot_product_attention(*args, **kw)
-    else:
-        o = F.scaled_dot_product_attention(*args, **kw)
-    return o.transpose(1, 2)
+    return F.scaled_dot_product_attention(*args, **kw).transpose(1, 2)
 
 
 def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr: torch.Tensor,
@@ -134,14 +130,15 @@ def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_in
     # output (one copy); otherwise they go into a zeroed output at their rows
     whole = qo[0] == 0 and qo[-1] == q.shape[0]
     outs = []
-    for a, b in runs:
-        n, L = shape[a]
-        if n == 0:
-            continue
-        q0, q1, k0, k1 = qo[a], qo[b], kvp[a], kvp[b]
-        outs.append((q0, q1, _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
-                                   v[k0:k1].view(b - a, L, *v.shape[1:]), scale, causal,
-                                   prefer_cudnn).reshape(q1 - q0, *q.shape[1:])))
+    with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if prefer_cudnn else contextlib.nullcontext():
+        for a, b in runs:  # (the backend choice entered once for all runs: it costs host time)
+            n, L = shape[a]
+            if n == 0:
+                continue
+            q0, q1, k0, k1 = qo[a], qo[b], kvp[a], kvp[b]
+            outs.append((q0, q1, _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
+                                       v[k0:k1].view(b - a, L, *v.shape[1:]), scale,
+                                       causal).reshape(q1 - q0, *q.shape[1:])))
     if whole and outs:
         return outs[0][2] if len(outs) == 1 else torch.cat([o for _, _, o in outs])
     out = q.new_zeros(q.shape)
