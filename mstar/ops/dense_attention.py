@@ -126,9 +126,6 @@ def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_in
         if i == rows or shape[i] != shape[start]:
             runs.append((start, i))
             start = i
-    # the rows cover q from its first token to its last: the runs' outputs, concatenated, are the
-    # output (one copy); otherwise they go into a zeroed output at their rows
-    whole = qo[0] == 0 and qo[-1] == q.shape[0]
     outs = []
     with sdpa_kernel(_CUDNN_FIRST, set_priority=True) if prefer_cudnn else contextlib.nullcontext():
         for a, b in runs:  # (the backend choice entered once for all runs: it costs host time)
@@ -139,7 +136,14 @@ def dense_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_in
             outs.append((q0, q1, _sdpa(q[q0:q1].view(b - a, n, *q.shape[1:]), k[k0:k1].view(b - a, L, *k.shape[1:]),
                                        v[k0:k1].view(b - a, L, *v.shape[1:]), scale,
                                        causal).reshape(q1 - q0, *q.shape[1:])))
-    if whole and outs:
+    return assemble_rows(q, qo, outs)
+
+
+def assemble_rows(q: torch.Tensor, qo: list[int], outs: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """The op's output from (first, end, output) of each run of rows, in order. When the rows
+    cover q from its first token to its last, the runs' outputs concatenated are the output (one
+    copy); otherwise they go into a zeroed output at their rows."""
+    if qo[0] == 0 and qo[-1] == q.shape[0] and outs:
         return outs[0][2] if len(outs) == 1 else torch.cat([o for _, _, o in outs])
     out = q.new_zeros(q.shape)
     for q0, q1, o in outs:
@@ -163,4 +167,4 @@ register_backend(dense_attention, "cudnn", dense_attention_cudnn, devices=("cuda
                  priority=6, note="scaled_dot_product_attention with cuDNN's kernel first (Hopper: ~1.6x flash at "
                                   "the Wan DiT's 3,510 and 27,280 tokens)")
 
-__all__ = ["dense_attention"]
+__all__ = ["dense_attention", "assemble_rows"]

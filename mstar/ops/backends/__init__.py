@@ -25,6 +25,7 @@ _MODULES = {
     "mstar.ops.backends.triton_rms_norm_rotary": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
+    "mstar.ops.backends.flashinfer_dense_attention": "flashinfer",  # priority 4: cuDNN's stays the default
     "mstar.ops.backends.triton_sampling": "triton",  # priority -1: MSTAR_BACKENDS=sample=triton selects it
     # CuTe DSL kernels compiled ahead of time: loading needs only tvm-ffi (+ libcute_dsl_runtime.so)
     "mstar.ops.backends.cute_norm": "tvm_ffi",
