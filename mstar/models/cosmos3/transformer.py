@@ -381,7 +381,7 @@ class Cosmos3Transformer(nn.Module):
             raise ValueError(f"cosmos3 generate: {R} rows need {R} prompts' K/V and a [{R * S}, "
                              f"{self.config.head_dim}] table, timesteps [{latents.shape[0]}]; got {len(und)}, "
                              f"{tuple(table.shape)}, {tuple(timesteps.shape)}")
-        idx = torch.tensor(rows, dtype=torch.long, device=latents.device)
+        idx = to_device(torch.tensor(rows, dtype=torch.long), latents.device)
         joint = JointKV.of(und, S)
         return self.generate_rows(latents, timesteps, idx, table, joint.kv_rows, joint.k, joint.v, joint.prompt_lens)
 
