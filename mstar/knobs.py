@@ -169,6 +169,13 @@ KNOBS: tuple[Knob, ...] = (
          "between the matmuls and attention ops; the step graphs (MSTAR_DIT_GRAPHS) then capture the compiled "
          "step. Off: the eager step (bit-identical outputs to a build without this knob). "
          "tests/test_dit_compile.py checks the compiled step against the eager one."),
+    Knob("MSTAR_DIT_FP8", "bool", False,
+         "Denoising transformers (Wan, Cosmos3) run their blocks' linear layers in float8 e4m3 on the float8 tensor "
+         "cores (sm89 and newer): weights quantized at load with a scale per output row, activations per token at "
+         "each call (one Triton kernel, the MLP's activation inside it). Wan: every block projection but the "
+         "text's keys / values; Cosmos3: the generation tower's. Lossy: tests/test_fp8_models.py bounds the "
+         "step's error. Off: bfloat16, bit-identical to a build without this knob. Measured: "
+         "notes/dit-fp8.md."),
     Knob("MSTAR_VAE_DTYPE", "choice", "auto",
          "The Wan2.2 VAE's dtype (Wan, Cosmos3: the decode of every generation, the encode of an image to video). "
          "auto: each family as its diffusers pipeline is set up: Wan float32 (the Wan2.2 pipelines load their VAE "

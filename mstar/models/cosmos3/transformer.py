@@ -35,6 +35,8 @@ generation q / k / v projections are one matrix (fuse_projections): one GEMM, th
 ops.qk_norm_rope_kv_fp32_weight: q normed and rotated, and k (normed, rotated) and v written
 straight into their rows of the joint keys and values the attention reads (JointKV: each row's
 cached prompt K/V followed by its vision tokens' rows), so a step never copies the prompt's K/V.
+`to_fp8` turns the generation tower's linear layers to float8 e4m3 (models/layers/fp8.py; the MLP's
+relu^2 then runs in down_proj's input quantization).
 
 Batches: `understand` takes any number of prompts (ragged rows, one causal attention call);
 `generate` takes R rows of one grid, each with its own latents row, timestep, cached prompt K/V
@@ -55,6 +57,7 @@ from torch import nn
 from mstar import ops
 from mstar.models.cosmos3.config import Cosmos3TransformerConfig
 from mstar.models.host_copy import to_device
+from mstar.models.layers.fp8 import Fp8Linear, to_fp8
 from mstar.models.wan.transformer import timestep_embedding
 
 TIME_FREQ_DIM = 256  # diffusers' Timesteps(num_channels=256, flip_sin_to_cos=True)
@@ -97,6 +100,8 @@ class ReLU2MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.down_proj, Fp8Linear):  # relu^2 in down_proj's input quantization
+            return self.down_proj(self.up_proj(x), "relu_square")
         return self.down_proj(ops.relu_square(self.up_proj(x)))
 
 
@@ -148,6 +153,7 @@ class Cosmos3Attention(nn.Module):
         self.norm_added_k = NemotronRMSNorm(d, c.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(d)
         self._gen_qkv: tuple | None = None  # (weight, bias) of add_q / k / v_proj as one matrix
+        self.gen_qkv_fp8: Fp8Linear | None = None  # that matrix in float8 (generation_to_fp8)
 
     def fuse_generation_qkv(self) -> None:
         """add_q_proj, add_k_proj and add_v_proj as the rows of one weight (their parameters become
@@ -164,6 +170,14 @@ class Cosmos3Attention(nn.Module):
             if b is not None:
                 m.bias = nn.Parameter(b.split(rows)[i], requires_grad=False)
         self._gen_qkv = (w, b)
+
+    def generation_to_fp8(self) -> None:
+        """The generation tower's projections in float8 e4m3 (Fp8Linear): q / k / v as one matrix
+        and to_add_out. The understanding tower's stay (it runs once a request)."""
+        if self._gen_qkv is None:
+            self.fuse_generation_qkv()
+        self.gen_qkv_fp8 = Fp8Linear(*self._gen_qkv)
+        to_fp8(self, ("to_add_out",))
 
     def _apply(self, fn, recurse=True):
         self._gen_qkv = None  # the parameters get storage of their own: no longer views of the fused weight
@@ -192,8 +206,9 @@ class Cosmos3Attention(nn.Module):
         table row positions[n]); their keys (normed, rotated) and values go into rows kv_rows of
         joint_k / joint_v [*, Hkv, D]."""
         n, hq, hkv, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        if self._gen_qkv is not None:  # one GEMM, one kernel for the heads
-            return ops.qk_norm_rope_kv_fp32_weight(F.linear(h, *self._gen_qkv), positions, self.norm_added_q.weight,
+        if self.gen_qkv_fp8 is not None or self._gen_qkv is not None:  # one GEMM, one kernel for the heads
+            qkv = self.gen_qkv_fp8(h) if self.gen_qkv_fp8 is not None else F.linear(h, *self._gen_qkv)
+            return ops.qk_norm_rope_kv_fp32_weight(qkv, positions, self.norm_added_q.weight,
                                                    self.norm_added_k.weight, table, hq, hkv, d, d,
                                                    self.norm_added_q.eps, joint_k, joint_v, kv_rows)
         q = self.norm_added_q(self.add_q_proj(h).view(n, hq, d))
@@ -303,6 +318,14 @@ class Cosmos3Transformer(nn.Module):
         .fuse_generation_qkv): the last step of building a model on its device and dtype."""
         for layer in self.layers:
             layer.self_attn.fuse_generation_qkv()
+        return self
+
+    def to_fp8(self) -> "Cosmos3Transformer":
+        """The generation tower's linear layers in float8 e4m3 (q / k / v, the attention's output, the
+        MLP; Cosmos3Attention.generation_to_fp8), after the model is on its device and dtype."""
+        for layer in self.layers:
+            layer.self_attn.generation_to_fp8()
+            to_fp8(layer.mlp_moe_gen, ("up_proj", "down_proj"))
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> "Cosmos3Transformer":

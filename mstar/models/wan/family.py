@@ -136,6 +136,12 @@ def configure_vae(vae):
     return vae.set_channels_last(knobs.value("MSTAR_VAE_CHANNELS_LAST"))
 
 
+def configure_transformer(transformer):
+    """transformer with its blocks' linear layers in float8 when MSTAR_DIT_FP8 is on (its to_fp8)."""
+    from mstar import knobs
+    return transformer.to_fp8() if knobs.value("MSTAR_DIT_FP8") else transformer
+
+
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
                  max_batch: int = 8, vae_dtype=None):
     """A WanPipeline of a diffusers pipeline directory or a preset (random weights: the preset's
@@ -174,7 +180,7 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
         text = _seeded(seed + 2, device,
                        lambda: random_text_encoder(cfg.text_encoder, byte_tokenizer(), seed + 2, device, dtype))
         scheduler = FlowUniPCScheduler(cfg.scheduler)
-    return WanPipeline(transformer, configure_vae(vae), text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
+    return WanPipeline(configure_transformer(transformer), configure_vae(vae), text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
                        max_frames=cfg.max_frames, fps=cfg.fps, num_inference_steps=cfg.num_inference_steps,
                        guidance_scale=cfg.guidance_scale, max_batch=max_batch)
 

@@ -26,6 +26,9 @@ The computation is diffusers' WanTransformer3DModel (transformer_wan.py) with it
                       self-attention's q, k rotated by the 3-D rotary (norm and rotary in one
                       ops.rms_norm_rotary); FFN: linear, GELU tanh, linear (the first
                       two one ops.linear_gelu: on CUDA one GEMM with a GELU epilogue)
+    float8 (to_fp8)   the blocks' linear layers but the text's keys / values in float8 e4m3
+                      (models/layers/fp8.py): the self-attention's q, k, v quantize x once and the
+                      FFN's GELU runs in the second projection's quantize kernel
     output            (shift, scale) = scale_shift_table + temb (float32); proj_out(LN(x) * (1 + scale)
                       + shift); unpatchify
 
@@ -57,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import ops
+from mstar.models.layers.fp8 import Fp8Linear, project, to_fp8
 from mstar.models.wan.transformer_config import WanTransformerConfig
 
 ROPE_THETA = 10000.0
@@ -133,6 +137,8 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.proj_in, Fp8Linear):  # GELU in proj_out's input quantization
+            return self.proj_out(self.proj_in(x), "gelu_tanh")
         return self.proj_out(ops.linear_gelu(x, self.proj_in.weight, self.proj_in.bias, "tanh"))
 
 
@@ -160,9 +166,10 @@ class WanAttention(nn.Module):
         if context is not None:
             return self.attend(x, *self.context_kv(context))
         H = self.heads  # self-attention: norm and rotary in one pass
-        q = ops.rms_norm_rotary(self.to_q(x), self.norm_q.weight, *rope, H, self.norm_q.eps)
-        k = ops.rms_norm_rotary(self.to_k(x), self.norm_k.weight, *rope, H, self.norm_k.eps)
-        return self.attend_projected(q, k, self.to_v(x))
+        q, k, v = project(x, self.to_q, self.to_k, self.to_v)
+        q = ops.rms_norm_rotary(q, self.norm_q.weight, *rope, H, self.norm_q.eps)
+        k = ops.rms_norm_rotary(k, self.norm_k.weight, *rope, H, self.norm_k.eps)
+        return self.attend_projected(q, k, v)
 
     def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cross-attention's keys (normed) and values of `context` [B, L, dim]: a function of the
@@ -253,6 +260,18 @@ class WanTransformer(nn.Module):
         for name, p in self.named_parameters():
             if any(part in name.split(".") for part in FP32_MODULES):
                 p.data = p.data.float()
+        return self
+
+    # The blocks' linear layers that to_fp8 turns to float8: all but the cross-attention's key and
+    # value projections, which run once a batch on the text (text_kv).
+    FP8_LINEARS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out", "attn2.to_q", "attn2.to_out",
+                   "ffn.proj_in", "ffn.proj_out")
+
+    def to_fp8(self) -> "WanTransformer":
+        """The blocks' FP8_LINEARS as Fp8Linear (float8 e4m3 weights, a scale per output row), after
+        the model is on its device and dtype; the embedders and the output projection stay."""
+        for block in self.blocks:
+            to_fp8(block, self.FP8_LINEARS)
         return self
 
     def rope(self, f: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
