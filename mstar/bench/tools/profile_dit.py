@@ -27,6 +27,7 @@ GROUPS = (  # (group, pattern over the kernel's name), first match wins
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|addmm|^aten::mm$|bmm"),
     ("norm / modulation", r"modulat|gated_residual|rms|layer_norm|LayerNorm"),
     ("rotary", r"rotary|rope"),
+    ("float8 quantize", r"quantize_rows"),
 )
 
 
