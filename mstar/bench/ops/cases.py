@@ -236,7 +236,39 @@ def _wan_cases(dtype, dev) -> list[Case]:
 
     out.append(Case("rms_norm_rotary", f"wan2.2-ti2v-5b {b}x{s}", rotary_args,
                     bytes=2 * n * es + WAN_DIM * es + 2 * s * half * 4, flops=7 * n))
-    return out
+    return out + _fp8_cases(b * s, dtype, dev)
+
+
+WAN_FFN = 14336
+
+
+def _fp8_cases(m: int, dtype, dev) -> list[Case]:
+    """MSTAR_DIT_FP8's two ops at Wan's FFN down projection (GELU in the quantization), and the
+    bf16 up projection with its GELU epilogue for the matrix rate they are weighed against."""
+    from mstar.ops.fp8 import quantize_weight
+    lab = f"wan2.2-ti2v-5b ffn {m} tokens"
+    mk = m * WAN_FFN
+
+    def quantize_args():
+        return torch.randn(m, WAN_FFN, dtype=dtype, device=dev), "gelu_tanh"
+
+    def matmul_args():
+        from mstar import ops
+        q, scale = ops.quantize_rows(torch.randn(m, WAN_FFN, dtype=dtype, device=dev), "gelu_tanh")
+        return (q, scale, *quantize_weight(torch.randn(WAN_DIM, WAN_FFN, dtype=dtype, device=dev) / WAN_FFN ** 0.5),
+                torch.randn(WAN_DIM, dtype=dtype, device=dev), dtype)
+
+    def linear_gelu_args():
+        return (torch.randn(m, WAN_DIM, dtype=dtype, device=dev),
+                torch.randn(WAN_FFN, WAN_DIM, dtype=dtype, device=dev) / WAN_DIM ** 0.5,
+                torch.randn(WAN_FFN, dtype=dtype, device=dev), "tanh")
+
+    es = torch.empty((), dtype=dtype).element_size()
+    return [Case("quantize_rows", lab, quantize_args, bytes=mk * (es + 1) + 4 * m, flops=12 * mk),
+            Case("fp8_matmul", lab, matmul_args, bytes=mk + WAN_DIM * WAN_FFN + m * WAN_DIM * es,
+                 flops=2 * mk * WAN_DIM),
+            Case("linear_gelu", lab, linear_gelu_args, bytes=(m * WAN_DIM + WAN_FFN * WAN_DIM + m * WAN_FFN) * es,
+                 flops=2 * mk * WAN_DIM)]
 
 
 # Sampler mixes: (temperature, top_k, top_p, min_p). Same vocabulary for both models, so once.

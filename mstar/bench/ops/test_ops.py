@@ -46,6 +46,8 @@ def _close(a, b, tol) -> bool:
         return a.shape == b.shape
     if not a.is_floating_point():
         return bool((a == b).float().mean() > 0.99)  # sampled ids: ties may break differently
+    if a.element_size() == 1:  # float8: a value may round one step the other way
+        return bool((a.float() != b.float()).float().mean() < 1e-3)
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
