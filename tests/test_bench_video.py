@@ -4,6 +4,7 @@ split, the transformer rows per step), diffusers' baseline record, the images va
 
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def test_cosmos3_images_and_video_points(tmp_path):
 
 _COSMOS3_BASELINE = """
 import json, os
+sys.path.append(ARGS["root"])  # mstar from the checkout, after the environment's own packages
 from mstar.bench import video as B
 out = os.path.join(ARGS["dir"], "video.jsonl")
 rc = B.main(["--model", "tiny-cosmos3", "--size", "64x64", "--frames", ARGS["frames"], "--steps", "2",
@@ -121,7 +123,8 @@ def test_cosmos3_diffusers_baseline(tmp_path, frames):
     environment) runs beside mstar's point: one request, two guided rows a step, every stage timed."""
     from reference_envs import reference_env, run_reference
     rc, recs = run_reference(reference_env("diffusers-0.42"), _COSMOS3_BASELINE,
-                             {"dir": str(tmp_path), "frames": frames})
+                             {"dir": str(tmp_path), "frames": frames,
+                              "root": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
     assert rc == 0
     (base,) = [r for r in recs if r["engine"] == "diffusers"]
     (ours,) = [r for r in recs if r["engine"] == "mstar"]
