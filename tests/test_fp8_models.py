@@ -69,7 +69,9 @@ def test_the_layers_each_family_quantizes():
             for name in ("self_attn.gen_qkv_fp8", "self_attn.to_add_out", "mlp_moe_gen.up_proj",
                          "mlp_moe_gen.down_proj")}
     assert _fp8_names(cosmos) == want  # the understanding tower stays
-
+    params = {n for n, _ in cosmos.transformer.named_parameters()}
+    assert not any(".add_" in n and "_proj" in n for n in params)  # the bf16 q / k / v are freed
+    assert "layers.0.self_attn.to_q.weight" in params
 
 def test_understanding_is_unchanged_by_fp8():
     """Cosmos3's prompt K/V (the understanding tower) are the same bits with the generation tower in float8."""
@@ -81,3 +83,21 @@ def test_understanding_is_unchanged_by_fp8():
     assert len(a) == len(b) == 2  # the prompt and the negative prompt
     for x, y in zip(a, b):
         assert x.length == y.length and torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
+
+
+def test_a_gpu_without_float8_tensor_cores_is_refused(monkeypatch):
+    from mstar.models.wan.family import configure_transformer
+
+    class OnOldGpu:
+        device = torch.device("cuda", 0)
+
+        def to_fp8(self):
+            raise AssertionError("not to be converted")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "an sm80 GPU")
+    plain = OnOldGpu()
+    assert configure_transformer(plain) is plain  # the knob off: nothing checked
+    with knobs.override(MSTAR_DIT_FP8=True):
+        with pytest.raises(ValueError, match="MSTAR_DIT_FP8.*8.9"):
+            configure_transformer(plain)

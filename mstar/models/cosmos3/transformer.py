@@ -173,10 +173,13 @@ class Cosmos3Attention(nn.Module):
 
     def generation_to_fp8(self) -> None:
         """The generation tower's projections in float8 e4m3 (Fp8Linear): q / k / v as one matrix
-        and to_add_out. The understanding tower's stay (it runs once a request)."""
+        (add_q / k / v_proj are dropped) and to_add_out. The understanding tower's stay (it runs
+        once a request)."""
         if self._gen_qkv is None:
             self.fuse_generation_qkv()
         self.gen_qkv_fp8 = Fp8Linear(*self._gen_qkv)
+        # the bf16 projections go with their fused matrix: no step reads them any more
+        self._gen_qkv = self.add_q_proj = self.add_k_proj = self.add_v_proj = None
         to_fp8(self, ("to_add_out",))
 
     def _apply(self, fn, recurse=True):

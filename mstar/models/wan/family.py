@@ -137,9 +137,18 @@ def configure_vae(vae):
 
 
 def configure_transformer(transformer):
-    """transformer with its blocks' linear layers in float8 when MSTAR_DIT_FP8 is on (its to_fp8)."""
+    """transformer with its blocks' linear layers in float8 when MSTAR_DIT_FP8 is on (its to_fp8).
+    A GPU without float8 tensor cores is refused: there the products would run in float32."""
+    import torch
+
     from mstar import knobs
-    return transformer.to_fp8() if knobs.value("MSTAR_DIT_FP8") else transformer
+    if not knobs.value("MSTAR_DIT_FP8"):
+        return transformer
+    dev = transformer.device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+        raise ValueError(f"MSTAR_DIT_FP8 needs float8 tensor cores (compute capability 8.9 or newer); "
+                         f"{torch.cuda.get_device_name(dev)} has {torch.cuda.get_device_capability(dev)}")
+    return transformer.to_fp8()
 
 
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
