@@ -1,9 +1,8 @@
 """dense_attention through FlashInfer's single-sequence prefill kernel (fa3 on sm90, fa2 elsewhere),
 one call per row; opt-in (`MSTAR_BACKENDS=dense_attention=flashinfer`): cuDNN stays the default.
 
-At the DiT shapes on an H100 its fa3 kernel took 1.031 ms for one Cosmos3 video row (9,360 queries
-over 9,660 keys, 16 q / 8 kv heads) against cuDNN's 1.171 ms, and 0.270 against 0.298 ms for a
-Wan row (notes/denoise-levers.md). A head dim it has no kernel for (the VAE's 1024-wide frame
+At the DiT shapes its fa3 kernel was faster than cuDNN's in a probe of the kernels alone
+(notes/denoise-levers.md); this backend itself has not run on a GPU. A head dim it has no kernel for (the VAE's 1024-wide frame
 attention) or a dtype other than bf16 / fp16 goes to the cuDNN backend.
 """
 
