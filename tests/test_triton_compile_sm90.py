@@ -46,3 +46,41 @@ def test_allreduce_norm_kernel_compiles_for_sm90_with_sys_scope_flags(world, ran
     assert ptx.count("atom.global.acquire.sys.cas.b32") == world - 1
     assert ptx.count("ld.global.cg.v4") == 2 * world  # 4096 bf16 over 256 threads: two vectors a rank
     assert ptx.count("trap;") == 2 * (world - 1) and "%globaltimer" in ptx  # a peer that never signals
+
+
+@pytest.mark.parametrize("act", ["none", "gelu_tanh", "relu_square"])
+def test_quantize_rows_kernel_compiles_for_sm90(act):
+    """MSTAR_DIT_FP8's per-row quantize: it compiles and casts to e4m3 with the hardware's
+    saturating conversion."""
+    from mstar.ops.backends import triton_fp8
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "n_cols": "i32", "x_stride": "i32",
+           "ACT": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn=triton_fp8._quantize_rows_kernel, signature=sig,
+                    constexprs={"ACT": triton_fp8._ACT_CODE[act], "BLOCK": 16384})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in out.asm["ptx"]
+
+
+def _kernels():
+    import importlib
+    import pkgutil
+
+    import mstar.ops.backends as backends
+    for info in pkgutil.iter_modules(backends.__path__):
+        if not info.name.startswith("triton_"):
+            continue
+        module = importlib.import_module(f"mstar.ops.backends.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction) and obj.__module__ == module.__name__:
+                yield pytest.param(module, obj, id=f"{info.name}.{name}")
+
+
+@pytest.mark.parametrize("module,kernel", list(_kernels()))
+def test_kernel_reads_no_plain_module_constant(module, kernel):
+    """Triton's compiler refuses a module-level number read inside a kernel unless it is a
+    tl.constexpr; the CPU interpreter accepts it, so only a GPU run would fail."""
+    import triton.language as tl
+    plain = [n for n in kernel.fn.__code__.co_names
+             if isinstance(vars(module).get(n), (int, float)) and not isinstance(vars(module).get(n), bool)
+             and not isinstance(vars(module).get(n), tl.constexpr)]
+    assert not plain, f"{kernel.fn.__name__} reads {plain}: wrap them in tl.constexpr"

@@ -16,6 +16,8 @@ from mstar.ops.registry import register_backend
 
 MAX_COLS = 16384  # wider rows would spill one program's registers: they take the reference
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+_FP8_MAX = tl.constexpr(FP8_MAX)  # a jitted kernel reads module globals only as constexpr
+_SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 def _cuda() -> bool:
@@ -34,9 +36,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, ACT: tl.con
     elif ACT == 2:  # relu(a)^2
         a = tl.maximum(a, 0.0)
         a = a * a
-    amax = tl.maximum(tl.max(tl.abs(a), axis=0), SCALE_FLOOR)
-    scale = amax / FP8_MAX
-    q = tl.minimum(tl.maximum(a / scale, -FP8_MAX), FP8_MAX)
+    amax = tl.maximum(tl.max(tl.abs(a), axis=0), _SCALE_FLOOR)
+    scale = amax / _FP8_MAX
+    q = tl.minimum(tl.maximum(a / scale, -_FP8_MAX), _FP8_MAX)
     tl.store(scale_ptr + row, scale)
     tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
