@@ -86,7 +86,7 @@ def test_understanding_is_unchanged_by_fp8():
 
 
 def test_a_gpu_without_float8_tensor_cores_is_refused(monkeypatch):
-    from mstar.models.wan.family import configure_transformer
+    from mstar.models.layers.fp8 import apply_dit_fp8
 
     class OnOldGpu:
         device = torch.device("cuda", 0)
@@ -97,7 +97,7 @@ def test_a_gpu_without_float8_tensor_cores_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "an sm80 GPU")
     plain = OnOldGpu()
-    assert configure_transformer(plain) is plain  # the knob off: nothing checked
+    assert apply_dit_fp8(plain) is plain  # the knob off: nothing checked
     with knobs.override(MSTAR_DIT_FP8=True):
         with pytest.raises(ValueError, match="MSTAR_DIT_FP8.*8.9"):
-            configure_transformer(plain)
+            apply_dit_fp8(plain)

@@ -58,11 +58,12 @@ def _wan_step(args, dev, dtype):
     """(forward(), its FLOPs) of a Wan preset's DiT step at the shape (the text's keys / values made
     once before, as the pipeline does)."""
     from mstar.bench.video import dit_flops
-    from mstar.models.wan.family import configure_transformer, random_transformer
+    from mstar.models.layers.fp8 import apply_dit_fp8
+    from mstar.models.wan.family import random_transformer
     from mstar.models.wan.presets import WanConfig, get
     from mstar.models.shape_graphs import ShapeGraphs
     cfg = WanConfig.from_dict(get(args.model).config)
-    transformer = configure_transformer(random_transformer(cfg.transformer, 0, dev, dtype))  # MSTAR_DIT_FP8
+    transformer = apply_dit_fp8(random_transformer(cfg.transformer, 0, dev, dtype))  # MSTAR_DIT_FP8
     c = transformer.config
     model = ShapeGraphs(transformer.forward_kv, max_graphs=1, enabled=args.graph, constant_from=2)
     w, h = (int(v) for v in args.size.split("x"))
@@ -79,12 +80,12 @@ def _cosmos3_step(args, dev, dtype):
     from mstar.bench.video import cosmos3_step_flops
     from mstar.models.cosmos3 import rope
     from mstar.models.cosmos3.family import _make_config, random_transformer
-    from mstar.models.wan.family import configure_transformer
+    from mstar.models.layers.fp8 import apply_dit_fp8
     from mstar.models.cosmos3.presets import get
     from mstar.models.cosmos3.transformer import JointKV
     from mstar.models.shape_graphs import ShapeGraphs
     cfg = _make_config(get(args.model))
-    transformer = configure_transformer(random_transformer(cfg.transformer, 0, dev, dtype))  # MSTAR_DIT_FP8
+    transformer = apply_dit_fp8(random_transformer(cfg.transformer, 0, dev, dtype))  # MSTAR_DIT_FP8
     c = transformer.config
     w, h = (int(v) for v in args.size.split("x"))
     T, pp = (args.frames - 1) // 4 + 1, c.latent_patch_size

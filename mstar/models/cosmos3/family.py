@@ -97,7 +97,8 @@ def cosmos3_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights:
 
     from mstar.models.cosmos3.pipeline import Cosmos3Pipeline
     from mstar.models.cosmos3.prompt import Cosmos3Prompter, byte_tokenizer
-    from mstar.models.wan.family import configure_transformer, configure_vae, default_vae_dtype, random_vae
+    from mstar.models.layers.fp8 import apply_dit_fp8
+    from mstar.models.wan.family import configure_vae, default_vae_dtype, random_vae
     from mstar.models.wan.scheduler import FlowUniPCScheduler
 
     dtype = dtype or torch.float32
@@ -124,7 +125,7 @@ def cosmos3_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights:
         transformer = random_transformer(cfg.transformer, seed, device, dtype)
         vae = random_vae(cfg.vae, seed + 1, device, vae_dtype)
         scheduler = FlowUniPCScheduler(cfg.scheduler, flow_sigmas=cfg.flow_sigmas)
-    return Cosmos3Pipeline(configure_transformer(transformer), configure_vae(vae), Cosmos3Prompter(tokenizer, cfg.use_system_prompt), scheduler,
+    return Cosmos3Pipeline(apply_dit_fp8(transformer), configure_vae(vae), Cosmos3Prompter(tokenizer, cfg.use_system_prompt), scheduler,
                            max_batch=max_batch, **cfg.defaults())
 
 

@@ -7,6 +7,7 @@ with a scale per output row, the input quantized per row at each call.
                               second projection's quantize kernel
     project(x, *layers)       x through several layers, quantized once when they are Fp8Linear
     to_fp8(module, names)     swap the nn.Linear submodules at these dotted names
+    apply_dit_fp8(transformer)  a denoising transformer's to_fp8() when MSTAR_DIT_FP8 is on
 """
 
 from __future__ import annotations
@@ -70,3 +71,16 @@ def to_fp8(module: nn.Module, names: Iterable[str]) -> None:
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"to_fp8: {name} is {type(linear).__name__}, not nn.Linear")
         setattr(parent, child, Fp8Linear.of(linear))
+
+
+def apply_dit_fp8(transformer):
+    """transformer with its blocks' linear layers in float8 (its to_fp8) when MSTAR_DIT_FP8 is on.
+    A GPU without float8 tensor cores is refused: there the products would run in float32."""
+    from mstar import knobs
+    if not knobs.value("MSTAR_DIT_FP8"):
+        return transformer
+    dev = transformer.device
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+        raise ValueError(f"MSTAR_DIT_FP8 needs float8 tensor cores (compute capability 8.9 or newer); "
+                         f"{torch.cuda.get_device_name(dev)} has {torch.cuda.get_device_capability(dev)}")
+    return transformer.to_fp8()

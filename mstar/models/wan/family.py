@@ -136,27 +136,13 @@ def configure_vae(vae):
     return vae.set_channels_last(knobs.value("MSTAR_VAE_CHANNELS_LAST"))
 
 
-def configure_transformer(transformer):
-    """transformer with its blocks' linear layers in float8 when MSTAR_DIT_FP8 is on (its to_fp8).
-    A GPU without float8 tensor cores is refused: there the products would run in float32."""
-    import torch
-
-    from mstar import knobs
-    if not knobs.value("MSTAR_DIT_FP8"):
-        return transformer
-    dev = transformer.device
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
-        raise ValueError(f"MSTAR_DIT_FP8 needs float8 tensor cores (compute capability 8.9 or newer); "
-                         f"{torch.cuda.get_device_name(dev)} has {torch.cuda.get_device_capability(dev)}")
-    return transformer.to_fp8()
-
-
 def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: bool = False, seed: int = 0,
                  max_batch: int = 8, vae_dtype=None):
     """A WanPipeline of a diffusers pipeline directory or a preset (random weights: the preset's
     shapes, or the directory's configs and tokenizer)."""
     import torch
 
+    from mstar.models.layers.fp8 import apply_dit_fp8
     from mstar.models.wan.pipeline import WanPipeline
     from mstar.models.wan.scheduler import FlowUniPCScheduler
     from mstar.models.wan.text_encoder import byte_tokenizer, load_text_encoder, random_text_encoder
@@ -189,7 +175,7 @@ def wan_pipeline(name_or_dir: str, dtype=None, device="cpu", random_weights: boo
         text = _seeded(seed + 2, device,
                        lambda: random_text_encoder(cfg.text_encoder, byte_tokenizer(), seed + 2, device, dtype))
         scheduler = FlowUniPCScheduler(cfg.scheduler)
-    return WanPipeline(configure_transformer(transformer), configure_vae(vae), text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
+    return WanPipeline(apply_dit_fp8(transformer), configure_vae(vae), text, scheduler, expand_timesteps=cfg.expand_timesteps, sizes=cfg.sizes,
                        max_frames=cfg.max_frames, fps=cfg.fps, num_inference_steps=cfg.num_inference_steps,
                        guidance_scale=cfg.guidance_scale, max_batch=max_batch)
 
