@@ -88,6 +88,16 @@ def test_rotary_and_kv_append(dtype):
         for b in _fast_backends("qk_norm_rope"):
             _check("qk_norm_rope", b, (qkv, pos, r(d, dtype=dtype) * 0.1, r(d, dtype=dtype) * 0.1, cs, hq, hk, d, rd,
                                        1e-6, zc, gated), _tol(dtype))
+        kc, vc = r(40, 16, hk, d, dtype=dtype), r(40, 16, hk, d, dtype=dtype)
+        slots = torch.randperm(40 * 16, device=DEV)[:t]
+        slots[3] = -1
+        for b in _fast_backends("qk_norm_rope_append"):  # the caches compared whole
+            _check("qk_norm_rope_append", b, (qkv, pos, r(d, dtype=dtype) * 0.1, r(d, dtype=dtype) * 0.1, cs, hq, hk,
+                                              d, rd, 1e-6, zc, gated, kc, vc, slots), _tol(dtype), mutated=(12, 13))
+        if gated:
+            for b in _fast_backends("sigmoid_mul"):
+                _check("sigmoid_mul", b, (r(t, hq, d, dtype=dtype), qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., d:]),
+                       _tol(dtype))
     kc, vc = r(40, 16, 2, 256, dtype=dtype), r(40, 16, 2, 256, dtype=dtype)
     slots = torch.randperm(40 * 16, device=DEV)[:t]
     slots[3] = -1

@@ -69,6 +69,38 @@ print(json.dumps([d.max().item(), list(y.shape), y.is_contiguous(), bool((y >= 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_vs_float64_and_in_the_triton_interpreter(dtype):
+    """x * sigmoid(gate) with the gate a strided view of a wider projection (an attention's output
+    gate): the reference within two roundings of float64; the Triton kernel, in the interpreter,
+    within one rounding step of the reference."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x = (torch.randn(5, 3, 64, generator=g) * 2).to(dtype)
+    proj = (torch.randn(5, 3, 128, generator=g) * 3).to(dtype)
+    gate = proj[..., 64:]
+    out = ops.sigmoid_mul(x, gate)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    ref = x.double() * torch.sigmoid(gate.double())
+    step = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7}[dtype]
+    assert ((out.double() - ref).abs() <= 2 * step * ref.abs() + 1e-30).all()
+    torch.library.opcheck(ops.sigmoid_mul.overload, (x, gate))
+    from triton_interpreter import run_interpreted
+    got = run_interpreted(f"""
+import json, torch
+from mstar.ops import activation
+from mstar.ops.backends import triton_elementwise as te
+g = torch.Generator().manual_seed(3)
+x = (torch.randn(5, 3, 64, generator=g) * 2).to(torch.{str(dtype).split('.')[-1]})
+proj = (torch.randn(5, 3, 128, generator=g) * 3).to(x.dtype)
+y = te.sigmoid_mul(x, proj[..., 64:])
+want = activation.sigmoid_mul.backends["reference"].fn(x, proj[..., 64:])
+d = (y.double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)
+print(json.dumps([d.max().item(), list(y.shape), y.is_contiguous()]))
+""")
+    # the interpreter casts to 16-bit floats by truncation (the GPU rounds to nearest): two steps
+    assert got[0] <= {torch.float32: 1e-6, torch.bfloat16: 2 * 2.0 ** -7}[dtype] and got[1:] == [[5, 3, 64], True], got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("shape", [(13, 320), (2, 7, 64)])
 def test_gelu_vs_float64(dtype, approximate, shape):

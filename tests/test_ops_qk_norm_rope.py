@@ -150,3 +150,68 @@ def test_kv_form_triton_kernel_in_the_interpreter():
             assert dq < 1e-5 and dk < 1e-5, (dq, dk)
         else:
             assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)
+
+
+def _paged(hk, d, dtype, t, seed, page_size=4):
+    """A paged cache [pages, page_size, Hkv, D] of random contents and t slots for t tokens: distinct
+    slots in shuffled pages, the second token a padding token (slot -1: nothing written)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = 3 * t // page_size + 2
+    k_cache = torch.randn(pages, page_size, hk, d, generator=g).to(dtype)
+    v_cache = torch.randn(pages, page_size, hk, d, generator=g).to(dtype)
+    slots = torch.randperm(pages * page_size, generator=g)[:t]
+    slots[1] = -1
+    return k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("hq,hk,d,rd,zc,gated", SHAPES)
+def test_append_form_is_qk_norm_rope_then_kv_append(hq, hk, d, rd, zc, gated):
+    """qk_norm_rope_append: q as qk_norm_rope's; its k and v written into the paged cache as
+    kv_append writes them (bit for bit), the padding token's slot and every other slot untouched."""
+    from mstar.ops import attention
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, pos, qw, kw, cache = _inputs(hq, hk, d, rd, gated, dtype, seed=d + 1)
+        k_cache, v_cache, slots = _paged(hk, d, dtype, qkv.shape[0], seed=d + 2)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        q1, k1, v1 = rotary.qk_norm_rope.backends["reference"].fn(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc,
+                                                                  gated)
+        attention.kv_append.backends["reference"].fn(k1, v1, k_want, v_want, slots)
+        args = (qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc, gated, k_cache, v_cache, slots)
+        q = rotary.qk_norm_rope_append.backends["reference"].fn(*args)
+        assert torch.equal(q, q1) and torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+        torch.library.opcheck(rotary.qk_norm_rope_append.overload, args)
+
+
+_APPEND_SCRIPT = r"""
+import json, torch
+from mstar.ops import rotary
+from mstar.ops.backends import triton_elementwise as te
+from test_ops_qk_norm_rope import SHAPES, _inputs, _paged
+out = []
+for dtype in (torch.float32, torch.bfloat16):
+    for hq, hk, d, rd, zc, gated in SHAPES:
+        qkv, pos, qw, kw, cache = _inputs(hq, hk, d, rd, gated, dtype, seed=d + 3)
+        k_ref, v_ref, slots = _paged(hk, d, dtype, qkv.shape[0], seed=d + 4)
+        k_got, v_got = k_ref.clone(), v_ref.clone()
+        q_ref = rotary.qk_norm_rope_append.backends["reference"].fn(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc,
+                                                                    gated, k_ref, v_ref, slots)
+        q_got = te.qk_norm_rope_append(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc, gated, k_got, v_got, slots)
+        out.append([str(dtype), (q_ref.float() - q_got.float()).abs().max().item(),
+                    (k_ref.float() - k_got.float()).abs().max().item(),
+                    (v_ref.float() - v_got.float()).abs().max().item(),
+                    q_ref.float().abs().max().item(), k_ref.float().abs().max().item()])
+print(json.dumps(out))
+"""
+
+
+def test_append_form_triton_kernel_in_the_interpreter():
+    """The one-kernel form against the reference: the whole caches compared (the slots written, the
+    padding token's and the others); q and k within a bf16 rounding step, v exact."""
+    got = run_interpreted(_APPEND_SCRIPT)
+    assert len(got) == 2 * len(SHAPES)
+    for dtype, dq, dk, dv, mq, mk in got:
+        assert dv == 0.0
+        if dtype == "torch.float32":
+            assert dq < 1e-5 and dk < 1e-5, (dq, dk)
+        else:
+            assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)

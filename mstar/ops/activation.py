@@ -26,6 +26,16 @@ silu_and_mul = define_op("silu_and_mul", "(Tensor x) -> Tensor",
                          reference=_silu_and_mul_ref, fake=_silu_and_mul_fake)
 
 
+def _sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) ([T, H, D] each, any strides; an attention's output gate), the sigmoid
+    rounded to gate's dtype first, as torch computes it -> a fresh contiguous tensor."""
+    return (x * torch.sigmoid(gate)).contiguous()
+
+
+sigmoid_mul = define_op("sigmoid_mul", "(Tensor x, Tensor gate) -> Tensor", reference=_sigmoid_mul_ref,
+                        fake=lambda x, gate: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 def _relu_square_ref(x: torch.Tensor) -> torch.Tensor:
     """relu(x) ** 2 in x's dtype (one rounding of the square: exact in float32 for bf16 / fp16 x)."""
     return F.relu(x).square()
@@ -73,4 +83,4 @@ linear_gelu = define_op("linear_gelu", "(Tensor x, Tensor weight, Tensor bias, s
 register_backend(linear_gelu, "cublaslt", _linear_gelu_cublaslt, devices=("cuda",), available=torch.cuda.is_available,
                  priority=10, note="one cuBLASLt GEMM with the bias + GELU-tanh epilogue (torch._addmm_activation)")
 
-__all__ = ["silu_and_mul", "relu_square", "gelu", "linear_gelu"]
+__all__ = ["silu_and_mul", "sigmoid_mul", "relu_square", "gelu", "linear_gelu"]

@@ -163,5 +163,27 @@ qk_norm_rope_kv_fp32_weight = define_op(
     "Tensor kv_rows) -> Tensor",
     reference=_qk_norm_rope_kv_fp32_weight_ref, fake=_qk_norm_rope_kv_fp32_weight_fake)
 
+def _qk_norm_rope_append_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                             k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                             head_dim: int, rotary_dim: int, eps: float, zero_centered: bool, gated: bool,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rope, then kv_append of its k and v into the paged cache at slot_mapping (padding
+    tokens' negative slots skipped) -> q [T, Hq, D]: an attention layer's prologue in one op."""
+    from mstar.ops.attention import _kv_append_ref
+    q, k, v = _qk_norm_rope_ref(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+                                head_dim, rotary_dim, eps, zero_centered, gated)
+    _kv_append_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+qk_norm_rope_append = define_op(
+    "qk_norm_rope_append",
+    "(Tensor qkv, Tensor positions, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, int num_q_heads, "
+    "int num_kv_heads, int head_dim, int rotary_dim, float eps, bool zero_centered, bool gated, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor",
+    reference=_qk_norm_rope_append_ref,
+    fake=lambda qkv, positions, qw, kw, cache, hq, *rest: qkv.new_empty((qkv.shape[0], hq, rest[1])))
+
 __all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "qk_norm_rope_fp32_weight",
-           "qk_norm_rope_kv_fp32_weight", "split_qkv_heads"]
+           "qk_norm_rope_kv_fp32_weight", "qk_norm_rope_append",
+           "split_qkv_heads"]

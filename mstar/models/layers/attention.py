@@ -17,8 +17,14 @@ from mstar.models.layers.rotary import RotaryCache
 def paged_attention(ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend: [T, Hq, D] -> [T, Hq, D]."""
+    ops.kv_append(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+    return attend_paged(ctx, q, k_cache, v_cache, scale)
+
+
+def attend_paged(ctx: ForwardContext, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the paged cache, which holds this step's K/V already."""
     md = ctx.attn
-    ops.kv_append(k, v, k_cache, v_cache, md.slot_mapping)
     nd = ctx.num_decode_tokens
     t = q.shape[0]
     parts = []
@@ -77,16 +83,14 @@ class QKNormAttention(nn.Module):
         qkv, = pre
         t = qkv.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # q/k head norms and rotary in one op (one Triton kernel per q and k on CUDA)
-        q, k, v = ops.qk_norm_rope(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
-                                   hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
-                                   self.output_gate)
-        o = paged_attention(ctx, q, k, v, self.k_cache, self.v_cache, self.scale)
-        o = o.reshape(t, hq * d)
-        if self.output_gate:
-            gate = ops.split_qkv_heads(qkv, hq, hk, d, True)[3]
-            o = o * torch.sigmoid(gate)
-        return o
+        # q/k head norms, rotary and the K/V append in one op (one Triton kernel on CUDA)
+        q = ops.qk_norm_rope_append(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
+                                    hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
+                                    self.output_gate, self.k_cache, self.v_cache, ctx.attn.slot_mapping)
+        o = attend_paged(ctx, q, self.k_cache, self.v_cache, self.scale)
+        if self.output_gate:  # each q head of the projection is [query D | gate D]
+            o = ops.sigmoid_mul(o, qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., d:])
+        return o.reshape(t, hq * d)
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o)

@@ -139,19 +139,19 @@ def _norm_rope_kernel(src_ptr, src_tok_stride, src_head_stride, pos_ptr, w_ptr, 
 
 @triton.jit
 def _norm_rope_heads(base, n_heads, pos, w_ptr, cache_ptr, out, eps, D: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr):
-    # all n_heads heads of one token at once (head h at base + h * D -> out + h * D), each as
+                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr, HS: tl.constexpr):
+    # all n_heads heads of one token at once (head h at base + h * HS -> out + h * D), each as
     # _norm_rope_head does it; dims [2 * HALF, D) (BLOCK_R > 0) pass the rotary through
     hh = tl.arange(0, BLOCK_H)[:, None]
     hm = hh < n_heads
     i = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(base + hh * D + i, mask=hm, other=0.0).to(tl.float32)
-    x2 = tl.load(base + hh * D + HALF + i, mask=hm, other=0.0).to(tl.float32)
+    x1 = tl.load(base + hh * HS + i, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(base + hh * HS + HALF + i, mask=hm, other=0.0).to(tl.float32)
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
     if BLOCK_R > 0:
         r = 2 * HALF + tl.arange(0, BLOCK_R)[None, :]
         rm = hm & (r < D)
-        x3 = tl.load(base + hh * D + r, mask=rm, other=0.0).to(tl.float32)
+        x3 = tl.load(base + hh * HS + r, mask=rm, other=0.0).to(tl.float32)
         ss += tl.sum(x3 * x3, axis=1)
     inv = (1.0 / tl.sqrt(ss / D + eps))[:, None]
     x1 = x1 * inv
@@ -187,21 +187,25 @@ def _norm_rope_heads(base, n_heads, pos, w_ptr, cache_ptr, out, eps, D: tl.const
 def _qkv_norm_rope_rows_kernel(src_ptr, src_tok_stride, pos_ptr, qw_ptr, kw_ptr, cache_ptr, q_ptr, k_ptr, v_ptr,
                                rows_ptr, eps, n_q, n_kv, D: tl.constexpr, HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
                                BLOCK_KV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-                               NORM: tl.constexpr):
-    # one program per token of the fused projection's row [q heads | k heads | v heads]: the q
-    # heads normed and rotated into q; the k heads normed and rotated, the v heads copied, into
-    # row rows[t] of k / v
+                               NORM: tl.constexpr, GATED: tl.constexpr):
+    # one program per token of the fused projection's row [q heads | k heads | v heads] (GATED:
+    # each q head [query D | gate D], the gate left in place): the q heads normed and rotated
+    # into q; the k heads normed and rotated, the v heads copied, into row rows[t] of k / v,
+    # none where rows[t] < 0 (a padding token's KV slot)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     row = tl.load(rows_ptr + t).to(tl.int64)
     base = src_ptr + t * src_tok_stride
-    _norm_rope_heads(base, n_q, pos, qw_ptr, cache_ptr, q_ptr + t * n_q * D, eps, D, HALF, BLOCK_Q, BLOCK_R, NORM)
-    _norm_rope_heads(base + n_q * D, n_kv, pos, kw_ptr, cache_ptr, k_ptr + row * n_kv * D, eps, D, HALF, BLOCK_KV,
-                     BLOCK_R, NORM)
-    j = tl.arange(0, BLOCK_V)
-    vm = j < n_kv * D
-    x = tl.load(base + (n_q + n_kv) * D + j, mask=vm, other=0.0)
-    tl.store(v_ptr + row * n_kv * D + j, x.to(v_ptr.dtype.element_ty), mask=vm)
+    QS: tl.constexpr = 2 * D if GATED else D
+    _norm_rope_heads(base, n_q, pos, qw_ptr, cache_ptr, q_ptr + t * n_q * D, eps, D, HALF, BLOCK_Q, BLOCK_R, NORM, QS)
+    if row >= 0:
+        kv = base + n_q * QS
+        _norm_rope_heads(kv, n_kv, pos, kw_ptr, cache_ptr, k_ptr + row * n_kv * D, eps, D, HALF, BLOCK_KV, BLOCK_R,
+                         NORM, D)
+        j = tl.arange(0, BLOCK_V)
+        vm = j < n_kv * D
+        x = tl.load(kv + n_kv * D + j, mask=vm, other=0.0)
+        tl.store(v_ptr + row * n_kv * D + j, x.to(v_ptr.dtype.element_ty), mask=vm)
 
 
 def _norm_rope(x, positions, weight, cache, eps, norm: int, rotary_dim):
@@ -242,13 +246,10 @@ def qk_norm_rope_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, 
     return _qk_norm_rope(*args, 2, False)
 
 
-def qk_norm_rope_kv_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
-                                head_dim, rotary_dim, eps, k_out, v_out, kv_rows):
-    ref = rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn
-    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps,
-            k_out, v_out, kv_rows)
-    if not _kernel_takes(qkv, rotary_dim) or not (k_out.is_contiguous() and v_out.is_contiguous()):
-        return ref(*args)
+def _qkv_rows(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim,
+              eps, k_out, v_out, kv_rows, norm: int, gated: bool):
+    """q [T, Hq, D] normed and rotated; token t's k (normed, rotated) and v written to row
+    kv_rows[t] of k_out / v_out (contiguous, [N, Hkv, D] as rows), none where kv_rows[t] < 0."""
     cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     t = qkv.shape[0]
     q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -258,8 +259,53 @@ def qk_norm_rope_kv_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cach
             qkv, qkv.stride(0), positions, q_weight, k_weight, cache, q, k_out, v_out, kv_rows, eps, num_q_heads,
             num_kv_heads, D=head_dim, HALF=rotary_dim // 2, BLOCK_Q=triton.next_power_of_2(num_q_heads),
             BLOCK_KV=triton.next_power_of_2(num_kv_heads), BLOCK_R=triton.next_power_of_2(rest) if rest else 0,
-            BLOCK_V=triton.next_power_of_2(num_kv_heads * head_dim), NORM=2)
+            BLOCK_V=triton.next_power_of_2(num_kv_heads * head_dim), NORM=norm, GATED=gated)
     return q
+
+
+def qk_norm_rope_kv_fp32_weight(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+                                head_dim, rotary_dim, eps, k_out, v_out, kv_rows):
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps,
+            k_out, v_out, kv_rows)
+    if not _kernel_takes(qkv, rotary_dim) or not (k_out.is_contiguous() and v_out.is_contiguous()):
+        return rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn(*args)
+    return _qkv_rows(*args, 2, False)
+
+
+def qk_norm_rope_append(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                        rotary_dim, eps, zero_centered, gated, k_cache, v_cache, slot_mapping):
+    args = (qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, rotary_dim, eps)
+    # the kernel rounds k and v once, to the cache's dtype: it takes caches of the projection's dtype
+    if (not _kernel_takes(qkv, rotary_dim) or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype):
+        return rotary.qk_norm_rope_append.backends["reference"].fn(*args, zero_centered, gated, k_cache, v_cache,
+                                                                   slot_mapping)
+    return _qkv_rows(*args, k_cache, v_cache, slot_mapping, 1 if zero_centered else 0, gated)
+
+
+@triton.jit
+def _sigmoid_mul_kernel(x_ptr, g_ptr, out_ptr, n_heads, x_tok_stride, x_head_stride, g_tok_stride, g_head_stride,
+                        D: tl.constexpr, BLOCK_H: tl.constexpr):
+    # one program per token: out = x * sigmoid(g), sigmoid rounded to g's dtype first (as torch)
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, D)[None, :]
+    m = hh < n_heads
+    g = tl.load(g_ptr + t * g_tok_stride + hh * g_head_stride + dd, mask=m, other=0.0)
+    s = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(g.dtype).to(tl.float32)
+    x = tl.load(x_ptr + t * x_tok_stride + hh * x_head_stride + dd, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (t * n_heads + hh) * D + dd, (x * s).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def sigmoid_mul(x, gate):
+    t, h, d = x.shape
+    if (d != triton.next_power_of_2(d) or x.stride(-1) != 1 or gate.stride(-1) != 1 or x.dtype != gate.dtype):
+        return activation.sigmoid_mul.backends["reference"].fn(x, gate)
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        _sigmoid_mul_kernel[(t,)](x, gate, out, h, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), D=d,
+                                  BLOCK_H=triton.next_power_of_2(h))
+    return out
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, rotary_dim):
@@ -308,3 +354,6 @@ register_backend(rotary.qk_norm_rope_fp32_weight, "triton", qk_norm_rope_fp32_we
                  note="norm + rotary of each q / k head in one kernel")
 register_backend(rotary.qk_norm_rope_kv_fp32_weight, "triton", qk_norm_rope_kv_fp32_weight, available=_cuda,
                  priority=20, note="q, k, v heads in one kernel, k and v written into their rows of the joint keys")
+register_backend(rotary.qk_norm_rope_append, "triton", qk_norm_rope_append, available=_cuda, priority=20,
+                 note="q, k, v heads in one kernel, k and v written into their KV-cache slots")
+register_backend(activation.sigmoid_mul, "triton", sigmoid_mul, available=_cuda, priority=20)
