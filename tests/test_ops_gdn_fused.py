@@ -87,3 +87,56 @@ def test_triton_kernel_in_the_interpreter():
             assert d_out < 1e-5 and d_state < 1e-5, (dtype, d_out, d_state)
         else:  # bf16 q/k: one rounding step apart now and then (1 / sqrt vs rsqrt)
             assert d_out < 0.02 and d_state < 0.02 * max(scale, 1.0), (dtype, d_out, d_state)
+
+
+def _gate_inputs(rows, hv, dv, dtype, seed):
+    """z as the model passes it: a [rows, Hv, Dv] view of a wider projection row; the norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, hv * dv + 7, generator=g).to(dtype)[:, :hv * dv].view(rows, hv, dv)
+    return z, (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype)
+
+
+def test_gated_form_is_the_step_then_the_output_norm():
+    """gdn_decode_gated: gdn_decode_fused, then gated_rms_norm of each head (bit for bit), the
+    state updated as the step updates it."""
+    from mstar.ops.norm import _gated_rms_norm_ref
+    for dtype in (torch.float32, torch.bfloat16):
+        mixed, a, b, A_log, dt_bias, pool, slots = _inputs(2, 4, 16, 32, 5, dtype, seed=int(torch.randint(99, ())))
+        z, w = _gate_inputs(5, 4, 32, dtype, seed=1)
+        p1, p2 = pool.clone(), pool.clone()
+        args = (mixed, a, b, A_log, dt_bias, p1, slots, 2, 16 ** -0.5, 1e-6, z, w, 1e-6)
+        got = gdn.gdn_decode_gated.backends["reference"].fn(*args)
+        o = gdn.gdn_decode_fused.backends["reference"].fn(mixed, a, b, A_log, dt_bias, p2, slots, 2, 16 ** -0.5, 1e-6)
+        assert torch.equal(got, _gated_rms_norm_ref(o, z, w, 1e-6)) and torch.equal(p1, p2)
+        torch.library.opcheck(gdn.gdn_decode_gated.overload, (mixed, a, b, A_log, dt_bias, pool.clone(), slots, 2,
+                                                               16 ** -0.5, 1e-6, z, w, 1e-6))
+
+
+_GATED_SCRIPT = r"""
+import json, torch
+from test_ops_gdn_fused import _inputs, _gate_inputs
+from mstar.ops import gdn
+from mstar.ops.backends import triton_gdn
+out = []
+for dtype, hk, hv, dk, dv in ((torch.float32, 2, 4, 16, 32), (torch.float32, 4, 4, 32, 16),
+                              (torch.bfloat16, 2, 4, 16, 32), (torch.bfloat16, 2, 2, 32, 64)):
+    mixed, a, b, A_log, dt_bias, pool, slots = _inputs(hk, hv, dk, dv, 5, dtype, seed=dk + dv + 1)
+    z, w = _gate_inputs(5, hv, dv, dtype, seed=dv)
+    p1, p2 = pool.clone(), pool.clone()
+    ref = gdn.gdn_decode_gated.backends["reference"].fn(mixed, a, b, A_log, dt_bias, p1, slots, hk, dk ** -0.5, 1e-6,
+                                                         z, w, 1e-6)
+    got = triton_gdn.gdn_decode_gated(mixed, a, b, A_log, dt_bias, p2, slots, hk, dk ** -0.5, 1e-6, z, w, 1e-6)
+    out.append([str(dtype), ((ref.float() - got.float()).abs().max() / ref.float().abs().max()).item(),
+                (p1 - p2).abs().max().item(), p2.abs().max().item()])
+print(json.dumps(out))
+"""
+
+
+def test_gated_triton_kernel_in_the_interpreter():
+    """The one-kernel form (a program per row and head) against the reference: the normed output
+    (its largest difference relative to its largest value), and the whole state pool (the rows not in `slots` untouched)."""
+    for dtype, d_out, d_state, scale in run_interpreted(_GATED_SCRIPT):
+        if dtype == "torch.float32":
+            assert d_out < 1e-5 and d_state < 1e-5, (dtype, d_out, d_state)
+        else:  # bf16 (the interpreter truncates): q / k and o a rounding step apart now and then
+            assert d_out < 2 ** -6 and d_state < 0.02 * max(scale, 1.0), (dtype, d_out, d_state)
