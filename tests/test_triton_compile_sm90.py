@@ -84,3 +84,39 @@ def test_kernel_reads_no_plain_module_constant(module, kernel):
              if isinstance(vars(module).get(n), (int, float)) and not isinstance(vars(module).get(n), bool)
              and not isinstance(vars(module).get(n), tl.constexpr)]
     assert not plain, f"{kernel.fn.__name__} reads {plain}: wrap them in tl.constexpr"
+
+
+@pytest.mark.parametrize("hk,hv", [(16, 16), (16, 32)])  # 0.8B; 4B / 9B
+def test_gdn_decode_gated_kernel_compiles_for_sm90(hk, hv):
+    """The one-kernel gated GDN decode at the Qwen3.5 shapes (a whole [128, 128] fp32 state per
+    program, 8 warps): it compiles."""
+    ptr = {n: "*bf16" for n in ("mixed_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "z_ptr", "w_ptr", "o_ptr")}
+    sig = {**ptr, "state_ptr": "*fp32", "slot_ptr": "*i64", "mixed_stride": "i64", "a_stride": "i64",
+           "b_stride": "i64", "z_stride": "i64", "scale": "fp32", "eps": "fp32", "norm_eps": "fp32",
+           "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr"}
+    src = ASTSource(fn=triton_gdn._gdn_decode_gated_kernel, signature=sig,
+                    constexprs={"HK": hk, "HV": hv, "DK": 128, "DV": 128})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("gated,hq,hk", [(True, 8, 2), (True, 16, 4), (False, 16, 8)])  # Qwen3.5 0.8B, 4B; Qwen3
+def test_attention_prologue_kernels_compile_for_sm90(gated, hq, hk):
+    """qk_norm_rope_append's kernel (head_dim 256 with a 64-dim rotary, or 128 fully rotated) and
+    sigmoid_mul's, at the Qwen shapes."""
+    from mstar.ops.backends import triton_elementwise as te
+    d, rd = (256, 64) if gated else (128, 128)
+    sig = {n: "*bf16" for n in ("src_ptr", "qw_ptr", "kw_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    sig.update({"src_tok_stride": "i64", "pos_ptr": "*i64", "cache_ptr": "*fp32", "rows_ptr": "*i64", "eps": "fp32",
+                "n_q": "i32", "n_kv": "i32", "D": "constexpr", "HALF": "constexpr", "BLOCK_Q": "constexpr",
+                "BLOCK_KV": "constexpr", "BLOCK_R": "constexpr", "BLOCK_V": "constexpr", "NORM": "constexpr",
+                "GATED": "constexpr"})
+    src = ASTSource(fn=te._qkv_norm_rope_rows_kernel, signature=sig, constexprs={
+        "D": d, "HALF": rd // 2, "BLOCK_Q": hq, "BLOCK_KV": hk, "BLOCK_R": triton.next_power_of_2(d - rd) if d > rd
+        else 0, "BLOCK_V": hk * d, "NORM": 1 if gated else 0, "GATED": gated})
+    assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]) > 0
+    sig = {"x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "n_heads": "i32", "x_tok_stride": "i64",
+           "x_head_stride": "i64", "g_tok_stride": "i64", "g_head_stride": "i64", "D": "constexpr",
+           "BLOCK_H": "constexpr"}
+    src = ASTSource(fn=te._sigmoid_mul_kernel, signature=sig, constexprs={"D": d, "BLOCK_H": hq})
+    assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]) > 0
