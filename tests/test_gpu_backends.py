@@ -165,9 +165,6 @@ def test_gdn_and_conv(dtype):
                       hk, dk ** -0.5, 1e-6)
         for b in _fast_backends("gdn_decode_fused"):
             _check("gdn_decode_fused", b, fused_args, 2e-2, mutated=(5,))
-        z = r(3, hv * dv + 8, dtype=dtype)[:, :hv * dv].view(3, hv, dv)  # a view of the projection, as the model's
-        for b in _fast_backends("gdn_decode_gated"):
-            _check("gdn_decode_gated", b, fused_args + (z, 1 + 0.1 * r(dv, dtype=dtype), 1e-6), 2e-2, mutated=(5,))
         # the fused prefill (fla: grouped q, k), ragged rows, without and with snapshots
         zba = r(330, 2 * hv + 8, dtype=dtype)
         head = (r(330, 2 * hk * dk + hv * dv, dtype=dtype), zba[:, :hv], zba[:, hv:2 * hv],

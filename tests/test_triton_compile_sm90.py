@@ -86,20 +86,6 @@ def test_kernel_reads_no_plain_module_constant(module, kernel):
     assert not plain, f"{kernel.fn.__name__} reads {plain}: wrap them in tl.constexpr"
 
 
-@pytest.mark.parametrize("hk,hv", [(16, 16), (16, 32)])  # 0.8B; 4B / 9B
-def test_gdn_decode_gated_kernel_compiles_for_sm90(hk, hv):
-    """The one-kernel gated GDN decode at the Qwen3.5 shapes (a whole [128, 128] fp32 state per
-    program, 8 warps): it compiles."""
-    ptr = {n: "*bf16" for n in ("mixed_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "z_ptr", "w_ptr", "o_ptr")}
-    sig = {**ptr, "state_ptr": "*fp32", "slot_ptr": "*i64", "mixed_stride": "i64", "a_stride": "i64",
-           "b_stride": "i64", "z_stride": "i64", "scale": "fp32", "eps": "fp32", "norm_eps": "fp32",
-           "HK": "constexpr", "HV": "constexpr", "DK": "constexpr", "DV": "constexpr"}
-    src = ASTSource(fn=triton_gdn._gdn_decode_gated_kernel, signature=sig,
-                    constexprs={"HK": hk, "HV": hv, "DK": 128, "DV": 128})
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
-
-
 @pytest.mark.parametrize("gated,hq,hk", [(True, 8, 2), (True, 16, 4), (False, 16, 8)])  # Qwen3.5 0.8B, 4B; Qwen3
 def test_attention_prologue_kernels_compile_for_sm90(gated, hq, hk):
     """qk_norm_rope_append's kernel (head_dim 256 with a 64-dim rotary, or 128 fully rotated) and

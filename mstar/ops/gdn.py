@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.ops.norm import _gated_rms_norm_ref, _l2_norm_ref, gated_rms_norm, l2_norm
+from mstar.ops.norm import _l2_norm_ref, l2_norm
 from mstar.ops.registry import define_op, register_backend
 
 CHUNK = 64
@@ -234,35 +234,6 @@ gdn_decode_fused = define_op(
     reference=_gdn_decode_fused_ref, fake=_fused_fake)
 
 
-# --- decode, fused from the conv output through the gated output norm ---------------------------------
-def _gdn_decode_gated_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                          dt_bias: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int,
-                          scale: float, eps: float, z: torch.Tensor, norm_weight: torch.Tensor,
-                          norm_eps: float) -> torch.Tensor:
-    """gdn_decode_fused, then the layer's output norm: gated_rms_norm(o, z, norm_weight) over each
-    head's Dv (z [B, Hv, Dv]) -> [B, Hv, Dv] in the conv output's dtype."""
-    o = _gdn_decode_fused_ref(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps)
-    return _gated_rms_norm_ref(o, z, norm_weight, norm_eps)
-
-
-gdn_decode_gated = define_op(
-    "gdn_decode_gated",
-    "(Tensor mixed, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state_pool, Tensor slots, "
-    "int num_k_heads, float scale, float eps, Tensor z, Tensor norm_weight, float norm_eps) -> Tensor",
-    reference=_gdn_decode_gated_ref, fake=_fused_fake)
-
-
-def _gdn_decode_gated_composed(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps, z,
-                               norm_weight, norm_eps):
-    """gdn_decode_fused and gated_rms_norm, each op on its own backend (two kernels on CUDA)."""
-    o = gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps)
-    return gated_rms_norm(o, z, norm_weight, norm_eps)
-
-
-register_backend(gdn_decode_gated, "composed", _gdn_decode_gated_composed, devices=("cuda",), priority=25,
-                 note="gdn_decode_fused, then gated_rms_norm")
-
-
 # --- prefill, fused from the conv output ---------------------------------------------------------
 def _gdn_prefill_fused_ref(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                            dt_bias: torch.Tensor, state_pool: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -296,4 +267,4 @@ def _gdn_prefill_composed(mixed, a, b, A_log, dt_bias, state_pool, cu_seqlens, s
 register_backend(gdn_prefill_fused, "composed", _gdn_prefill_composed, devices=("cuda",), priority=10,
                  note="split_qkv, gdn_gates and gdn_prefill, each op on its own backend")
 
-__all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_decode_gated", "gdn_prefill_fused", "gdn_gates", "split_qkv"]
+__all__ = ["gdn_prefill", "gdn_decode", "gdn_decode_fused", "gdn_prefill_fused", "gdn_gates", "split_qkv"]

@@ -136,22 +136,20 @@ class GatedDeltaNet(nn.Module):
         b = zba[:, self.value_dim:self.value_dim + hv]
         a = zba[:, self.value_dim + hv:]
 
-        z = z.reshape(t, hv, dv)
         w = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
-        if nd > 0:  # decode rows: conv update, then one op from the conv output through the output norm
+        if nd > 0:  # decode rows: conv update, then one op from the conv output on (fused on CUDA)
             conv = ops.causal_conv1d_update(mixed[:nd], w, None, self.conv_state, md.decode_slots, True)
-            outs.append(ops.gdn_decode_gated(conv, a[:nd], b[:nd], self.A_log, self.dt_bias, self.recurrent_state,
-                                             md.decode_slots, hk, self.scale, L2_EPS, z[:nd], self.norm.weight,
-                                             self.norm.eps))
+            outs.append(ops.gdn_decode_fused(conv, a[:nd], b[:nd], self.A_log, self.dt_bias,
+                                             self.recurrent_state, md.decode_slots, hk, self.scale, L2_EPS))
         if t > nd:
             conv = ops.causal_conv1d_prefill(mixed[nd:], w, None, self.conv_state, md.prefill_cu_seqlens,
                                              md.prefill_slots, md.snap_token_idx, md.snap_slots, True)
-            o = ops.gdn_prefill_fused(conv, a[nd:], b[nd:], self.A_log, self.dt_bias, self.recurrent_state,
-                                      md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx, md.snap_slots, hk,
-                                      self.scale, L2_EPS)
-            outs.append(self.norm(o.to(mixed.dtype), z[nd:]))
+            outs.append(ops.gdn_prefill_fused(conv, a[nd:], b[nd:], self.A_log, self.dt_bias, self.recurrent_state,
+                                              md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx,
+                                              md.snap_slots, hk, self.scale, L2_EPS))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
+        o = self.norm(o.to(mixed.dtype), z.reshape(t, hv, dv))
         return o.reshape(t, self.value_dim)
 
 

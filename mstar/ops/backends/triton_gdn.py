@@ -71,15 +71,20 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
 
 
 @triton.jit
-def _fused_step(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr, state_ptr, slot_ptr,
-                r, h, vv, vmask, scale, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr):
-    # what split_qkv + gdn_gates + the decode step compute for row r, value head h and the Dv
-    # columns vv; the rounding points of the composed path are kept (q, k normalised in fp32 then
-    # stored in the input dtype; beta = sigmoid(b) in b's dtype). Returns o (fp32).
+def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
+                             state_ptr, slot_ptr, o_ptr, scale, eps, HK: tl.constexpr, HV: tl.constexpr,
+                             DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    # what split_qkv + gdn_gates + the decode step compute, in one program per (row, value
+    # head, Dv block); the rounding points of the composed path are kept (q, k normalised in
+    # fp32 then stored in the input dtype; beta = sigmoid(b) in b's dtype)
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
     hk = h // (HV // HK)
     slot = tl.load(slot_ptr + r).to(tl.int64)
     kk = tl.arange(0, DK)
+    vv = vb * BV + tl.arange(0, BV)
+    vmask = vv < DV
     base = mixed_ptr + r * mixed_stride
     q = tl.load(base + hk * DK + kk).to(tl.float32)
     k = tl.load(base + HK * DK + hk * DK + kk).to(tl.float32)
@@ -91,41 +96,8 @@ def _fused_step(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_
     g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
     bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
     beta = (1.0 / (1.0 + tl.exp(-bb))).to(b_ptr.dtype.element_ty).to(tl.float32)
-    return _state_step(state_ptr, slot, h, HV, DK, DV, kk, vv, vmask, q, k, v, g, beta)
-
-
-@triton.jit
-def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
-                             state_ptr, slot_ptr, o_ptr, scale, eps, HK: tl.constexpr, HV: tl.constexpr,
-                             DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    # one program per (row, value head, Dv block)
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vv = tl.program_id(2) * BV + tl.arange(0, BV)
-    vmask = vv < DV
-    o = _fused_step(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr, state_ptr,
-                    slot_ptr, r, h, vv, vmask, scale, eps, HK, HV, DK, DV)
+    o = _state_step(state_ptr, slot, h, HV, DK, DV, kk, vv, vmask, q, k, v, g, beta)
     tl.store(o_ptr + (r * HV + h) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
-
-
-@triton.jit
-def _gdn_decode_gated_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
-                             state_ptr, slot_ptr, z_ptr, z_stride, w_ptr, o_ptr, scale, eps, norm_eps,
-                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-    # one program per (row, value head), the head's whole [DK, DV] state: the step, then the
-    # gated RMSNorm of its output (o rounded to the input dtype first, as the two-op path stores it)
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vv = tl.arange(0, DV)
-    vmask = vv < DV
-    o = _fused_step(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr, state_ptr,
-                    slot_ptr, r, h, vv, vmask, scale, eps, HK, HV, DK, DV)
-    ty = o_ptr.dtype.element_ty
-    o = o.to(ty).to(tl.float32)
-    y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps)).to(ty).to(tl.float32)  # HF rounds before the weight
-    w = tl.load(w_ptr + vv).to(tl.float32)
-    z = tl.load(z_ptr + r * z_stride + h * DV + vv).to(tl.float32)
-    tl.store(o_ptr + (r * HV + h) * DV + vv, (w * y * (z / (1.0 + tl.exp(-z)))).to(ty))
 
 
 def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps):
@@ -142,23 +114,6 @@ def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads
     _gdn_decode_fused_kernel[(rows, hv, triton.cdiv(dv, bv))](
         mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state_pool, slots, o, scale, eps,
         HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=4)
-    return o
-
-
-def gdn_decode_gated(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads, scale, eps, z, norm_weight,
-                     norm_eps):
-    rows = mixed.shape[0]
-    hv, dk, dv = state_pool.shape[1:]
-    if (dk != triton.next_power_of_2(dk) or dv != triton.next_power_of_2(dv) or not state_pool.is_contiguous()
-            or mixed.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1 or hv % num_k_heads
-            or z.stride(-1) != 1 or z.stride(1) != dv):
-        return gdn.gdn_decode_gated.backends["reference"].fn(mixed, a, b, A_log, dt_bias, state_pool, slots,
-                                                              num_k_heads, scale, eps, z, norm_weight, norm_eps)
-    o = mixed.new_empty((rows, hv, dv))
-    if rows:
-        _gdn_decode_gated_kernel[(rows, hv)](
-            mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state_pool, slots, z, z.stride(0),
-            norm_weight, o, scale, eps, norm_eps, HK=num_k_heads, HV=hv, DK=dk, DV=dv, num_warps=8)
     return o
 
 
@@ -223,5 +178,3 @@ register_backend(gdn.gdn_decode, "triton", gdn_decode, available=torch.cuda.is_a
                  note="in place over the state pool")
 register_backend(gdn.gdn_decode_fused, "triton", gdn_decode_fused, available=torch.cuda.is_available, priority=30,
                  note="l2 norms, gates and the step in one kernel, in place over the state pool")
-register_backend(gdn.gdn_decode_gated, "triton", gdn_decode_gated, available=torch.cuda.is_available, priority=20,
-                 note="the fused step and the gated output norm in one kernel, a program per (row, head)")
