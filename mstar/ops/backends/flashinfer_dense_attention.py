@@ -2,8 +2,8 @@
 one call per row; opt-in (`MSTAR_BACKENDS=dense_attention=flashinfer`): cuDNN stays the default.
 
 At the DiT shapes its fa3 kernel was faster than cuDNN's in a probe of the kernels alone
-(notes/denoise-levers.md); its effect on a served Cosmos3 video step: notes/dit-fp8.md. Its accuracy
-test (tests/test_flashinfer_dense_attention.py) has not completed on a GPU. A head dim it has no
+(notes/denoise-levers.md); its effect on a served Cosmos3 video step and its GPU accuracy test
+(tests/test_flashinfer_dense_attention.py): notes/dit-fp8.md. A head dim it has no
 kernel for (the VAE's 1024-wide frame attention) or a dtype other than bf16 / fp16 goes to the cuDNN
 backend.
 """
