@@ -119,11 +119,28 @@ def test_kv_form_writes_k_and_v_into_their_rows():
                               (qkv, pos, qw, kw, cache, 4, 2, 32, 32, 1e-6, k_out, v_out, rows))
 
 
+def _diffs(dtype, q_ref, q_got, k_ref, k_got, v_ref, v_got) -> list:
+    """[dtype, largest q / k / v differences, largest |q| / |k| of the reference] (the caches whole)."""
+    return [str(dtype)] + [(a.float() - b.float()).abs().max().item() for a, b in
+                           ((q_ref, q_got), (k_ref, k_got), (v_ref, v_got))] + [q_ref.float().abs().max().item(),
+                                                                               k_ref.float().abs().max().item()]
+
+
+def _assert_rows_close(got) -> None:
+    """v exact; q, k within 1e-5 in float32, within a bf16 rounding step of their largest values."""
+    for dtype, dq, dk, dv, mq, mk in got:
+        assert dv == 0.0  # v copied, and no other row touched
+        if dtype == "torch.float32":
+            assert dq < 1e-5 and dk < 1e-5, (dq, dk)
+        else:
+            assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)
+
+
 _KV_SCRIPT = r"""
 import json, torch
 from mstar.ops import rotary
 from mstar.ops.backends import triton_elementwise as te
-from test_ops_qk_norm_rope import _inputs, _joint
+from test_ops_qk_norm_rope import _diffs, _inputs, _joint
 out = []
 for dtype in (torch.float32, torch.bfloat16):
     for hq, hk, d, rd in ((4, 2, 32, 32), (2, 1, 64, 16), (4, 4, 16, 16)):
@@ -133,10 +150,7 @@ for dtype in (torch.float32, torch.bfloat16):
         q_ref = rotary.qk_norm_rope_kv_fp32_weight.backends["reference"].fn(qkv, pos, qw, kw, cache, hq, hk, d, rd,
                                                                             1e-6, k_ref, v_ref, rows)
         q_got = te.qk_norm_rope_kv_fp32_weight(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, k_got, v_got, rows)
-        out.append([str(dtype), (q_ref.float() - q_got.float()).abs().max().item(),
-                    (k_ref.float() - k_got.float()).abs().max().item(),
-                    (v_ref.float() - v_got.float()).abs().max().item(),
-                    q_ref.float().abs().max().item(), k_ref.float().abs().max().item()])
+        out.append(_diffs(dtype, q_ref, q_got, k_ref, k_got, v_ref, v_got))
 print(json.dumps(out))
 """
 
@@ -144,12 +158,7 @@ print(json.dumps(out))
 def test_kv_form_triton_kernel_in_the_interpreter():
     got = run_interpreted(_KV_SCRIPT)
     assert len(got) == 6
-    for dtype, dq, dk, dv, mq, mk in got:
-        assert dv == 0.0  # v copied, and no other row touched (k / v compared whole)
-        if dtype == "torch.float32":
-            assert dq < 1e-5 and dk < 1e-5, (dq, dk)
-        else:
-            assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)
+    _assert_rows_close(got)
 
 
 def _paged(hk, d, dtype, t, seed, page_size=4):
@@ -186,7 +195,7 @@ _APPEND_SCRIPT = r"""
 import json, torch
 from mstar.ops import rotary
 from mstar.ops.backends import triton_elementwise as te
-from test_ops_qk_norm_rope import SHAPES, _inputs, _paged
+from test_ops_qk_norm_rope import SHAPES, _diffs, _inputs, _paged
 out = []
 for dtype in (torch.float32, torch.bfloat16):
     for hq, hk, d, rd, zc, gated in SHAPES:
@@ -196,10 +205,7 @@ for dtype in (torch.float32, torch.bfloat16):
         q_ref = rotary.qk_norm_rope_append.backends["reference"].fn(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc,
                                                                     gated, k_ref, v_ref, slots)
         q_got = te.qk_norm_rope_append(qkv, pos, qw, kw, cache, hq, hk, d, rd, 1e-6, zc, gated, k_got, v_got, slots)
-        out.append([str(dtype), (q_ref.float() - q_got.float()).abs().max().item(),
-                    (k_ref.float() - k_got.float()).abs().max().item(),
-                    (v_ref.float() - v_got.float()).abs().max().item(),
-                    q_ref.float().abs().max().item(), k_ref.float().abs().max().item()])
+        out.append(_diffs(dtype, q_ref, q_got, k_ref, k_got, v_ref, v_got))
 print(json.dumps(out))
 """
 
@@ -209,9 +215,4 @@ def test_append_form_triton_kernel_in_the_interpreter():
     padding token's and the others); q and k within a bf16 rounding step, v exact."""
     got = run_interpreted(_APPEND_SCRIPT)
     assert len(got) == 2 * len(SHAPES)
-    for dtype, dq, dk, dv, mq, mk in got:
-        assert dv == 0.0
-        if dtype == "torch.float32":
-            assert dq < 1e-5 and dk < 1e-5, (dq, dk)
-        else:
-            assert dq <= mq * 2 ** -6 and dk <= mk * 2 ** -6, (dq, dk, mq, mk)
+    _assert_rows_close(got)
