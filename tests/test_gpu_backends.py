@@ -96,7 +96,7 @@ def test_rotary_and_kv_append(dtype):
                                               d, rd, 1e-6, zc, gated, kc, vc, slots), _tol(dtype), mutated=(12, 13))
         if gated:
             for b in _fast_backends("sigmoid_mul"):
-                _check("sigmoid_mul", b, (r(t, hq, d, dtype=dtype), qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., d:]),
+                _check("sigmoid_mul", b, (r(t, hq, d, dtype=dtype), ops.split_qkv_heads(qkv, hq, hk, d, True)[3]),
                        _tol(dtype))
     kc, vc = r(40, 16, 2, 256, dtype=dtype), r(40, 16, 2, 256, dtype=dtype)
     slots = torch.randperm(40 * 16, device=DEV)[:t]

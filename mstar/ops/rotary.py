@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from mstar.ops.attention import _kv_append_ref
 from mstar.ops.norm import _rms_norm_fp32_weight_ref, _rms_norm_ref
 from mstar.ops.registry import define_op
 
@@ -68,13 +69,13 @@ rotary_embedding = define_op(
 # --- q/k head norms + rotary, from the fused qkv projection ------------------------------------
 def split_qkv_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, gated: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Views of q [T, Hq, D], k, v [T, Hkv, D] and the output gate [T, Hq * D] (gated: each q
+    """Views of q [T, Hq, D], k, v [T, Hkv, D] and the output gate [T, Hq, D] (gated: each q
     head is [query D | gate D], Qwen3.5) in the rows of the fused projection."""
     t, d = qkv.shape[0], head_dim
     q_rows = num_q_heads * d * (2 if gated else 1)
     if gated:
         qg = qkv[:, :q_rows].view(t, num_q_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(t, num_q_heads * d)
+        q, gate = qg[..., :d], qg[..., d:]
     else:
         q, gate = qkv[:, :q_rows].view(t, num_q_heads, d), None
     k = qkv[:, q_rows:q_rows + num_kv_heads * d].view(t, num_kv_heads, d)
@@ -163,13 +164,13 @@ qk_norm_rope_kv_fp32_weight = define_op(
     "Tensor kv_rows) -> Tensor",
     reference=_qk_norm_rope_kv_fp32_weight_ref, fake=_qk_norm_rope_kv_fp32_weight_fake)
 
+
 def _qk_norm_rope_append_ref(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
                              k_weight: torch.Tensor, cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                              head_dim: int, rotary_dim: int, eps: float, zero_centered: bool, gated: bool,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """qk_norm_rope, then kv_append of its k and v into the paged cache at slot_mapping (padding
     tokens' negative slots skipped) -> q [T, Hq, D]: an attention layer's prologue in one op."""
-    from mstar.ops.attention import _kv_append_ref
     q, k, v = _qk_norm_rope_ref(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
                                 head_dim, rotary_dim, eps, zero_centered, gated)
     _kv_append_ref(k, v, k_cache, v_cache, slot_mapping)
@@ -182,8 +183,7 @@ qk_norm_rope_append = define_op(
     "int num_kv_heads, int head_dim, int rotary_dim, float eps, bool zero_centered, bool gated, Tensor(a!) k_cache, "
     "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor",
     reference=_qk_norm_rope_append_ref,
-    fake=lambda qkv, positions, qw, kw, cache, hq, *rest: qkv.new_empty((qkv.shape[0], hq, rest[1])))
+    fake=lambda qkv, positions, qw, kw, cache, hq, hkv, d, *rest: qkv.new_empty((qkv.shape[0], hq, d)))
 
 __all__ = ["rotary_embedding", "build_cos_sin_cache", "qk_norm_rope", "qk_norm_rope_fp32_weight",
-           "qk_norm_rope_kv_fp32_weight", "qk_norm_rope_append",
-           "split_qkv_heads"]
+           "qk_norm_rope_kv_fp32_weight", "qk_norm_rope_append", "split_qkv_heads"]

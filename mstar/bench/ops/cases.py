@@ -127,6 +127,18 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                 rnd(t // sz["page"] + 2, sz["page"], s.kv_heads, s.head_dim),
                 torch.randperm((t // sz["page"] + 2) * sz["page"], device=dev)[:t]),
                 bytes=4 * t * s.kv_heads * s.head_dim * es, flops=0))
+            n_pages = t // sz["page"] + 2
+            cases.append(Case("qk_norm_rope_append", lab, lambda t=t, s=s, n_pages=n_pages: (
+                rnd(t, (2 * s.q_heads + 2 * s.kv_heads) * s.head_dim), torch.randint(0, 4096, (t,), device=dev),
+                rnd(s.head_dim), rnd(s.head_dim), rnd(4096, s.rotary_dim, dt=torch.float32), s.q_heads, s.kv_heads,
+                s.head_dim, s.rotary_dim, 1e-6, True, True, rnd(n_pages, sz["page"], s.kv_heads, s.head_dim),
+                rnd(n_pages, sz["page"], s.kv_heads, s.head_dim),
+                torch.randperm(n_pages * sz["page"], device=dev)[:t]),
+                bytes=2 * t * (s.q_heads + 2 * s.kv_heads) * s.head_dim * es + t * s.rotary_dim * 4,
+                flops=6 * t * (s.q_heads + s.kv_heads) * s.head_dim))
+            cases.append(Case("sigmoid_mul", lab, lambda t=t, s=s: (
+                rnd(t, s.q_heads, s.head_dim), rnd(t, s.q_heads, 2 * s.head_dim)[..., s.head_dim:]),
+                bytes=3 * t * s.q_heads * s.head_dim * es, flops=5 * t * s.q_heads * s.head_dim))
             c = s.gdn_k_heads * s.gdn_k_dim * 2 + s.gdn_v_heads * s.gdn_v_dim  # conv over q, k, v
             kk = s.conv_kernel
             state_bytes = s.gdn_v_heads * s.gdn_k_dim * s.gdn_v_dim * 4

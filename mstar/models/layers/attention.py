@@ -88,8 +88,8 @@ class QKNormAttention(nn.Module):
                                     hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
                                     self.output_gate, self.k_cache, self.v_cache, ctx.attn.slot_mapping)
         o = attend_paged(ctx, q, self.k_cache, self.v_cache, self.scale)
-        if self.output_gate:  # each q head of the projection is [query D | gate D]
-            o = ops.sigmoid_mul(o, qkv[:, :hq * 2 * d].view(t, hq, 2 * d)[..., d:])
+        if self.output_gate:  # the gate is read in place from the projection
+            o = ops.sigmoid_mul(o, ops.split_qkv_heads(qkv, hq, hk, d, True)[3])
         return o.reshape(t, hq * d)
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
