@@ -99,11 +99,19 @@ def test_http_front_end_and_engine_config_import_no_torch():
 
 
 def test_api_process_path_imports_no_op_layer():
-    """What the server's API process runs before and beside the engine (the argument checks, the
-    tokenizer) imports neither the op layer (on CUDA: Triton, FlashInfer) nor the weight loader."""
+    """What the server's API process runs before it starts the engine (the name and device checks,
+    the engine's configuration) imports no torch, and nothing it runs before and beside the engine
+    (also the config check and the tokenizer, which may load torch through transformers) imports
+    the op layer (on CUDA: Triton, FlashInfer) or the weight loader: the engine process loads those,
+    and loading them here first would only delay the engine's start."""
     import subprocess
     import sys
     code = ("import sys; from mstar.runtime.serving import preflight, serve; "
+            "preflight.check_name('wan2.2-ti2v-5b', True); preflight.check_name('cosmos3-edge', True); "
+            "preflight.check_device('auto', 1); preflight.check_device('cpu', 1); "
+            "args = serve.build_parser().parse_args(['--model', 'qwen3.5-0.8b', '--random-weights']); "
+            "config = serve.engine_config(args); assert config.max_num_seqs is None; "
+            "assert 'torch' not in sys.modules, 'torch before the engine starts'; "
             "preflight.check_serve('tiny-qwen3.5', False, 'cpu', 1); preflight.check_serve('tiny-orpheus', False, 'cpu', 1); "
             "assert serve.load_tokenizer('tiny-qwen3.5') is not None; "
             "print(sorted(m for m in ('mstar.ops', 'mstar.models.loader', 'mstar.models.base') if m in sys.modules))")

@@ -42,6 +42,7 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def probe(model: str, batch: int, context: int, page: int, cache_pages: int, first_use: dict) -> dict:
+    import mstar.ops  # noqa: F401  (before FlashInfer: points its JIT cache into mstar's kernel cache)
     import flashinfer
     hq, hkv, d = SHAPES[model]
     dev = torch.device("cuda")

@@ -37,7 +37,7 @@ from typing import Any
 
 from mstar.models.cosmos3.config import COSMOS3_EDGE_TRANSFORMER, TINY_COSMOS3_TRANSFORMER
 from mstar.models.presets import Preset
-from mstar.models.wan.scheduler import FLOW_SIGMAS_NATIVE, WAN22_TI2V_5B_SCHEDULER
+from mstar.models.wan.scheduler_config import FLOW_SIGMAS_NATIVE, WAN22_TI2V_5B_SCHEDULER
 from mstar.models.wan.vae_config import TINY_WAN22_TI2V_VAE, WAN22_TI2V_5B_VAE
 
 MODEL_TYPE = "cosmos3"

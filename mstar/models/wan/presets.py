@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.models.presets import Preset
-from mstar.models.wan.scheduler import WAN22_TI2V_5B_SCHEDULER
+from mstar.models.wan.scheduler_config import WAN22_TI2V_5B_SCHEDULER
 from mstar.models.wan.transformer_config import TINY_WAN_TRANSFORMER, WAN22_TI2V_5B_TRANSFORMER
 from mstar.models.wan.vae_config import TINY_WAN22_TI2V_VAE, WAN22_TI2V_5B_VAE
 

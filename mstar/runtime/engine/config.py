@@ -1,6 +1,6 @@
 """Engine configuration: one dataclass, validated once, resolved against the machine.
 
-`EngineConfig` holds what a user asks for; `resolve_device`, `resolve_dtype` and
+`EngineConfig` holds what a user asks for; `resolve_device`, `resolve_dtype`, `resolve_max_num_seqs` and
 `size_caches` turn the "auto" / None values into concrete ones once the model's cache
 spec is known. Errors name the field (ValueError "field: message").
 """
@@ -43,7 +43,7 @@ class EngineConfig:
     codec: str | None = None
     dtype: str = "auto"  # "auto": fp32 on CPU, bf16 on CUDA
     device: str = "auto"  # "auto": cuda if available, else cpu
-    max_num_seqs: int | None = None  # None: 256 on CUDA (vLLM's default there), 64 elsewhere
+    max_num_seqs: int | None = None  # None: 256 on CUDA (vLLM's default there), 64 elsewhere (resolve_max_num_seqs)
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int | None = None  # None: knob MSTAR_PAGE_SIZE
     num_pages: int | None = None  # None: sized from free memory (CUDA) or CPU_CACHE_BYTES
@@ -86,8 +86,8 @@ class EngineConfig:
     warmup: str = "auto"
 
     def __post_init__(self):
-        if self.max_num_seqs is None:
-            self.max_num_seqs = 256 if self.resolve_device().type == "cuda" else 64
+        if self.max_num_seqs is None and self.device != "auto":
+            self.resolve_max_num_seqs()
         self.validate()
 
     @classmethod
@@ -110,7 +110,7 @@ class EngineConfig:
             raise ValueError(f"model: must be a preset name or a directory, got {self.model!r}")
         if self.codec is not None and (not isinstance(self.codec, str) or not self.codec):
             raise ValueError(f"codec: must be a directory or a preset name, got {self.codec!r}")
-        pos("max_num_seqs")
+        pos("max_num_seqs", True)  # None until resolve_max_num_seqs (device "auto")
         pos("max_model_len", True)
         pos("page_size", True)
         pos("num_pages", True)
@@ -151,6 +151,15 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_max_num_seqs(self) -> int:
+        """max_num_seqs, its default filled in. With device "auto" the default waits for this call
+        (the engine makes it), so that a config is built without importing torch or touching CUDA
+        (the server's API process builds one)."""
+        if self.max_num_seqs is None:
+            kind = self.resolve_device().type if self.device == "auto" else self.device.partition(":")[0]
+            self.max_num_seqs = 256 if kind == "cuda" else 64
+        return self.max_num_seqs
 
     def resolve_dtype(self, device: torch.device | None = None) -> torch.dtype:
         import torch
@@ -198,7 +207,7 @@ def size_caches(cfg: EngineConfig, spec, dtype: torch.dtype, device: torch.devic
     has_attn = len(spec.attention) > 0
     page_bytes = max(1, spec.kv_bytes_per_token(dtype) * page_size)
     state_bytes = spec.state_bytes_per_sequence(dtype) if has_state else 0
-    num_slots = cfg.max_num_seqs
+    num_slots = cfg.resolve_max_num_seqs()
     pages_per_seq = math.ceil(max_model_len / page_size)
 
     if cfg.cache_memory_bytes is not None:

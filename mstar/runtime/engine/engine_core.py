@@ -69,6 +69,7 @@ class EngineCore:
             raise knobs.KnobError("MSTAR_INGRAPH_DECODE_ROPE=1 needs MSTAR_INGRAPH_DECODE_TOKENS=1 (the in-graph "
                                   "positions are kept per decode master slot); set both, or neither")
         self.device = config.resolve_device()
+        config.resolve_max_num_seqs()
         self.dtype = config.resolve_dtype(self.device)
         # Triton kernel variants built from here on are counted; after the warm-up, each is logged
         self.jit_watch = jit_watch.install() if self.device.type == "cuda" else None

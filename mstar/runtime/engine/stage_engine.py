@@ -108,7 +108,7 @@ class StageEngine(DecodeLoopDriver):
                                  "generator: EngineCore serves it)")
             pipeline = family.pipeline(config.model, dtype=self.dtype, device=self.device,
                                        random_weights=config.random_weights, seed=config.seed,
-                                       max_batch=config.max_num_seqs)
+                                       max_batch=config.resolve_max_num_seqs())
         if not isinstance(pipeline, I.Pipeline) or not pipeline.stages:
             raise ValueError(f"model: the pipeline of {config.model!r} has no stages")
         for k, st in enumerate(pipeline.stages):

@@ -71,7 +71,7 @@ class SyntheticEngine:
         rate = float(os.environ.get("SYNTH_STEPS_PER_S", "200"))
         self.period = 1.0 / rate if rate > 0 else 0.0
         self.prefill_s = float(os.environ.get("SYNTH_PREFILL_MS", "0")) / 1e3
-        self.max_num_seqs = int(config.max_num_seqs)
+        self.max_num_seqs = int(config.resolve_max_num_seqs())
         self.device = "cpu"
         self.model_name = f"synthetic:{config.model}"
         self._waiting: collections.deque[_Seq] = collections.deque()

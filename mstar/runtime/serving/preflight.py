@@ -42,9 +42,9 @@ def check_model(model: str, random_weights: bool):
 
 def check_device(device: str, tp: int) -> None:
     """ValueError when --device asks for CUDA that is not there, or --tp for more GPUs than there are."""
-    import torch
     if device == "auto" or device == "cpu":
-        return
+        return  # without importing torch: the API process need not load it
+    import torch
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
