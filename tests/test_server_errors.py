@@ -383,13 +383,11 @@ def test_transcriptions_on_an_llm_server(server):
 def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
     """A host without fastapi/uvicorn: the server says so and exits 1 at once, without
     starting an engine process (which once kept the dying server alive while it loaded)."""
-    import sys
-
     from mstar.runtime.engine import engine_process
 
     from mstar.runtime.serving import serve
 
-    monkeypatch.setitem(sys.modules, "mstar.runtime.serving.api_server", None)  # its import now fails
+    monkeypatch.setattr(serve, "_WEB_STACK", ("fastapi", "no_such_web_package"))
 
     def no_engine(*a, **k):
         raise AssertionError("an engine was started")
@@ -403,6 +401,43 @@ def test_missing_web_stack_fails_before_loading_a_model(monkeypatch, caplog):
         for s, h in handlers.items():
             signal.signal(s, h)
     assert time.monotonic() - t0 < 5
+    assert "HTTP server cannot start" in caplog.text and "no_such_web_package" in caplog.text
+
+
+def test_a_web_stack_that_fails_to_import_stops_the_started_engine(monkeypatch, caplog):
+    """The HTTP front end is imported while the engine process starts: when that import fails
+    (a broken install the package check could not see), the engine is stopped and the server
+    exits 1."""
+    import sys
+
+    from mstar.runtime.engine import engine_process
+
+    from mstar.runtime.serving import serve
+
+    monkeypatch.setitem(sys.modules, "mstar.runtime.serving.api_server", None)  # its import now fails
+    events = []
+
+    class StubEngine:
+        def __init__(self, *a, **k):
+            pass
+
+        def start(self):
+            events.append("start")
+
+        def kill(self):
+            events.append("kill")
+
+        def wait_ready(self, timeout):
+            raise AssertionError("waited for an engine the server cannot serve")
+
+    monkeypatch.setattr(engine_process, "EngineProcess", StubEngine)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert serve.main(["--model", "tiny-qwen3.5", "--port", "0"]) == 1
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert events == ["start", "kill"]
     assert "HTTP server cannot start" in caplog.text
 
 

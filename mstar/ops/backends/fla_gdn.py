@@ -17,11 +17,18 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 from mstar.ops import gdn
+from mstar.ops.backends.lean_import import import_lean
 from mstar.ops.backends.triton_gdn import gdn_prefill_prep
 from mstar.ops.registry import register_backend
+
+# fla.ops / fla.modules import all of fla, and fla's dispatcher torch._dynamo: ~12 s of a start
+# for the two functions used here (lean_import.py)
+_fla_gdr = import_lean("fla.ops.gated_delta_rule", bare=("fla.ops", "fla.modules", "fla.modules.norm"),
+                       skip_compiler_disable=True)
+chunk_gated_delta_rule = _fla_gdr.chunk_gated_delta_rule
+fused_recurrent_gated_delta_rule = _fla_gdr.fused_recurrent_gated_delta_rule
 
 
 def _run_chunk(q, k, v, g, beta, init, cu, cu_cpu, scale):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import logging
 import os
 import faulthandler
@@ -33,6 +34,8 @@ import sys
 import time
 
 logger = logging.getLogger("mstar.serve")
+
+_WEB_STACK = ("fastapi", "uvicorn", "multipart")  # what the HTTP front end imports (python-multipart: forms)
 
 
 def _positive_int(s: str) -> int:
@@ -287,11 +290,12 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
 
     from mstar.runtime.engine.engine_process import EngineProcess, EngineStartError
 
-    try:  # the web stack first: a missing package must not cost a model load (or leave an engine behind)
-        importlib.import_module("uvicorn")
-        importlib.import_module("mstar.runtime.serving.api_server")
-    except ImportError as e:
-        logger.error("the HTTP server cannot start: %s (pip install fastapi uvicorn python-multipart)", e)
+    # the web stack is looked for first (a missing package must not cost a model load) and imported
+    # once the engine process is starting, beside it
+    missing = [m for m in _WEB_STACK if importlib.util.find_spec(m) is None]
+    if missing:
+        logger.error("the HTTP server cannot start: no module named %s (pip install fastapi uvicorn python-multipart)",
+                     ", ".join(missing))
         return 1
     from mstar.runtime.serving import preflight
     try:
@@ -314,6 +318,13 @@ def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
     logger.info("starting the engine process (%.1f s after launch)", time.monotonic() - t0)
     try:
         engine.start()
+        try:
+            importlib.import_module("uvicorn")
+            importlib.import_module("mstar.runtime.serving.api_server")
+        except ImportError as e:
+            logger.error("the HTTP server cannot start: %s (pip install fastapi uvicorn python-multipart)", e)
+            engine.kill()
+            return 1
         if args.engine_factory is None:  # the checks that read the model's config, beside the engine's start
             try:
                 preflight.check_tp(preflight.check_model(args.model, args.random_weights), args.tp)

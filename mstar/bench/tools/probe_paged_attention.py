@@ -1,0 +1,157 @@
+"""FlashInfer's paged attention variants at the Qwen3.5 attention shapes, on one CUDA GPU:
+
+    python -m mstar.bench.tools.probe_paged_attention [--decode-batch 1 8 64] [--context 300 2048]
+        [--prefill-rows 1x4096 8x256 32x256]
+
+Decode: `BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)` runs the rows through the
+batch prefill kernel of FlashInfer's fa2 backend; `False` runs its decode kernel on CUDA cores.
+Prefill (causal, prompts from the start): the batch prefill wrapper on its fa2 backend against
+fa3 (Hopper's), which is what "auto" picks on sm90. Each variant is a separately compiled module:
+the first use of each is timed too, which on a host without it is FlashInfer's JIT build.
+
+Times are microseconds of one run inside a CUDA graph of repeated runs, the KV pages of the rows
+spread at random over a cache larger than L2; "max diff" compares the two variants' outputs.
+Results: notes/llm-decode-step.md, notes/startup.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SHAPES = {"qwen3.5-0.8b": (8, 2, 256), "qwen3.5-4b": (16, 4, 256)}  # q heads, kv heads, head_dim
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds a run: reps runs captured in one graph, best of 5 replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        best = min(best, s.elapsed_time(e) * 1e3 / reps)
+    return best
+
+
+class Pages:
+    """K / V caches of one model shape and the page tables of `rows` rows of `keys` keys each."""
+
+    def __init__(self, model: str, page: int, cache_gib: float):
+        self.hq, self.hkv, self.d = SHAPES[model]
+        self.page = page
+        self.num_pages = int(cache_gib * 2 ** 30 / (2 * page * self.hkv * self.d * 2))
+        self.k = torch.randn(self.num_pages, page, self.hkv, self.d, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+
+    def fits(self, rows: int, keys: int) -> bool:
+        return rows * -(-keys // self.page) <= self.num_pages
+
+    def table(self, rows: int, keys: int):
+        per_row = -(-keys // self.page)
+        indices = torch.randperm(self.num_pages, device="cuda")[:rows * per_row].to(torch.int32)
+        indptr = torch.arange(0, rows + 1, dtype=torch.int32) * per_row
+        last = torch.full((rows,), keys - (per_row - 1) * self.page, dtype=torch.int32)
+        return indptr, indices, last
+
+
+def _timed_first(first_use: dict, key: str, fn):
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    first_use.setdefault(key, time.perf_counter() - t0)
+    return out
+
+
+def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict) -> tuple[float, float, float]:
+    import flashinfer
+    indptr, indices, last = pages.table(batch, keys)
+    q = torch.randn(batch, pages.hq, pages.d, device="cuda", dtype=torch.bfloat16)
+    us, outs = [], []
+    for tc in (True, False):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                          "NHD", use_tensor_cores=tc)
+
+        def first(w=w):
+            w.plan(indptr, indices, last, pages.hq, pages.hkv, pages.d, pages.page, q_data_type=torch.bfloat16,
+                   kv_data_type=torch.bfloat16, sm_scale=pages.d ** -0.5)
+            return w.run(q, (pages.k, pages.v))
+        outs.append(_timed_first(first_use, f"decode, tensor cores {tc}", first))
+        us.append(graph_us(lambda w=w: w.run(q, (pages.k, pages.v))))
+    return us[0], us[1], (outs[0].float() - outs[1].float()).abs().max().item()
+
+
+def probe_prefill(pages: Pages, rows: int, tokens: int, first_use: dict) -> tuple[float, float, float]:
+    import flashinfer
+    indptr, indices, last = pages.table(rows, tokens)
+    qo_indptr = torch.arange(0, rows + 1, dtype=torch.int32) * tokens
+    q = torch.randn(rows * tokens, pages.hq, pages.d, device="cuda", dtype=torch.bfloat16)
+    us, outs = [], []
+    for backend in ("fa2", "fa3"):
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                           "NHD", backend=backend)
+
+        def first(w=w):
+            w.plan(qo_indptr, indptr, indices, last, pages.hq, pages.hkv, pages.d, pages.page, causal=True,
+                   sm_scale=pages.d ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            return w.run(q, (pages.k, pages.v))
+        outs.append(_timed_first(first_use, f"prefill, {backend}", first))
+        us.append(graph_us(lambda w=w: w.run(q, (pages.k, pages.v)), reps=5))
+    return us[0], us[1], (outs[0].float() - outs[1].float()).abs().max().item()
+
+
+def _rows_x_tokens(s: str) -> tuple[int, int]:
+    rows, _, tokens = s.partition("x")
+    return int(rows), int(tokens)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mstar.bench.tools.probe_paged_attention",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 8, 32, 128], help="Decode rows (none: skip).")
+    p.add_argument("--context", type=int, nargs="+", default=[300, 2048], help="Keys per decode row.")
+    p.add_argument("--prefill-rows", type=_rows_x_tokens, nargs="*", default=[(1, 4096), (8, 256), (32, 256)],
+                   help="Prefill batches as ROWSxTOKENS (none: skip).")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--cache-gib", type=float, default=2.0, help="Size of the K and V caches together.")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_paged_attention needs a CUDA GPU")
+    import mstar.ops  # noqa: F401  (before FlashInfer: points its JIT cache into mstar's kernel cache)
+    first_use: dict[str, float] = {}
+    for model in args.models:
+        pages = Pages(model, args.page_size, args.cache_gib)
+        if args.decode_batch:
+            print(f"{model} decode   rows  keys  tensor cores us  CUDA cores us  max diff")
+            for keys in args.context:
+                for b in args.decode_batch:
+                    if pages.fits(b, keys):
+                        tc, cc, diff = probe_decode(pages, b, keys, first_use)
+                        print(f"{'':>{len(model)}}        {b:>4}  {keys:>4}  {tc:>15.2f}  {cc:>13.2f}  {diff:>8.2e}",
+                              flush=True)
+        if args.prefill_rows:
+            print(f"{model} prefill  rows  tokens  fa2 us  fa3 us  max diff")
+            for rows, tokens in args.prefill_rows:
+                if pages.fits(rows, tokens):
+                    fa2, fa3, diff = probe_prefill(pages, rows, tokens, first_use)
+                    print(f"{'':>{len(model)}}         {rows:>4}  {tokens:>6}  {fa2:>6.1f}  {fa3:>6.1f}  {diff:>8.2e}",
+                          flush=True)
+        del pages
+    for k, v in first_use.items():
+        print(f"first use (build or load) of {k}: {v:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
