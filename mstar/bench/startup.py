@@ -75,7 +75,8 @@ def first_token_s(url: str, model: str, timeout: float) -> float:
     """Seconds until the first streamed token of a one-token completion."""
     import httpx
     t0 = time.perf_counter()
-    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "stream": True}
+    # token ids: a preset served with random weights has no tokenizer
+    body = {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 1, "stream": True}
     with httpx.stream("POST", url.rstrip("/") + "/v1/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"the first request got HTTP {r.status_code}: {r.read()[:300]!r}")

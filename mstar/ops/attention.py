@@ -17,6 +17,8 @@ The references below are the CPU path and the ground truth: they loop over rows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mstar.ops.registry import define_op
@@ -197,3 +199,41 @@ def decode_graph_plan(device, *, batch: int, max_pages: int, num_q_heads: int, n
 
 
 __all__ += ["StaticDecodePlan", "decode_graph_plan", "register_decode_plan"]
+
+
+# --- start-up hooks: kernels compiled ahead of the first step --------------------------------
+_PREPARE: dict[str, tuple[Callable, Callable | None]] = {}
+_prepared: list[Callable] = []  # the after-start-up hooks of the backends prepared in this process
+
+
+def register_prepare(backend: str, prepare: Callable, after_start_up: Callable | None = None) -> None:
+    """prepare(device, *, head_dim, dtype): called by `prepare_paged_attention` when `backend` serves
+    paged attention on that device; it may start compiling its kernels in the background.
+    after_start_up(): called by `paged_attention_started` (the server is up: work that would have
+    slowed the start, such as compiling kernels for the next start, may run now)."""
+    _PREPARE[backend] = (prepare, after_start_up)
+
+
+def prepare_paged_attention(device, *, head_dim: int, dtype: torch.dtype) -> None:
+    """The runtime calls this once it knows the model's attention shape, before its first step, so
+    that a backend compiling kernels on first use (FlashInfer's JIT) can start while the rest of
+    the start-up (graph capture, Triton's compiles) goes on."""
+    device = torch.device(device)
+    done = set()
+    for op in (paged_attention_decode, paged_attention_prefill):
+        backend = op.selected(device.type)
+        if backend in _PREPARE and backend not in done:
+            done.add(backend)
+            prepare, after = _PREPARE[backend]
+            prepare(device, head_dim=head_dim, dtype=dtype)
+            if after is not None:
+                _prepared.append(after)
+
+
+def paged_attention_started() -> None:
+    """The runtime calls this once its start-up is over (after its warm-up)."""
+    while _prepared:
+        _prepared.pop()()
+
+
+__all__ += ["register_prepare", "prepare_paged_attention", "paged_attention_started"]

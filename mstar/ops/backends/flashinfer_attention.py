@@ -7,6 +7,13 @@ reference, so a new step's tensors can never be mistaken for the old ones) and r
 only when it is handed different ones. plan() reads indptr and last_page_len on the host;
 passing them as CPU tensors (the runtime's step inputs do on CUDA) keeps it free of
 device syncs.
+
+Each FlashInfer variant is a module compiled on first use (tens of seconds to minutes). The
+decode rows run through the batch prefill kernel of the fa2 backend (tensor cores); prefill
+uses the backend `prefill_backend` picks (flashinfer_prefill.py): on Hopper, fa3 where its
+module is already compiled and fa2 (the decode path's module) where not, so that a cold start
+compiles one module; fa3's is then compiled in the background once the server is up, for the
+next start. `prepare` starts the fa2 module's compile while the runtime's start-up goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import flashinfer
 import torch
 
 from mstar.ops import attention, phase_clock
+from mstar.ops.backends import flashinfer_prefill
 from mstar.ops.registry import register_backend
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -73,10 +81,11 @@ def _decode_wrapper(device, group: int, page: int) -> _Planned:
     return _state[key]
 
 
-def _prefill_wrapper(device, page: int) -> _Planned:
-    key = ("prefill", str(device), page)
+def _prefill_wrapper(device, page: int, backend: str) -> _Planned:
+    key = ("prefill", str(device), page, backend)
     if key not in _state:
-        _state[key] = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(device), "NHD"))
+        _state[key] = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(device), "NHD",
+                                                                             backend=backend))
     return _state[key]
 
 
@@ -173,7 +182,7 @@ def paged_attention_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indice
             q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale)
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    p = _prefill_wrapper(q.device, page)
+    p = _prefill_wrapper(q.device, page, flashinfer_prefill.prefill_backend(q.device, q.dtype, d))
     shape_key = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale, id(qo_indptr), id(kv_indices),
                  id(kv_last_page_len))
     if p.stale(kv_indptr, shape_key):
@@ -193,3 +202,4 @@ register_backend(attention.paged_attention_decode, "flashinfer", paged_attention
 attention.register_decode_plan("flashinfer", FlashInferDecodePlan)
 register_backend(attention.paged_attention_prefill, "flashinfer", paged_attention_prefill,
                  available=torch.cuda.is_available, priority=30, note="one plan per step, shared by all layers")
+attention.register_prepare("flashinfer", flashinfer_prefill.prepare, flashinfer_prefill.after_start_up)

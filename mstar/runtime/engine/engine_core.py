@@ -39,6 +39,7 @@ from dataclasses import fields
 import torch
 
 from mstar import knobs
+from mstar.ops import attention as ops_attention
 from mstar.ops.cache import jit_watch
 from mstar.models.context import dtype_name
 from mstar.runtime.caches.cache_manager import CacheManager
@@ -99,6 +100,9 @@ class EngineCore:
         max_len = config.resolve_max_model_len(getattr(mcfg, "max_position_embeddings", None))
 
         spec = model.cache_spec()
+        for head_dim in sorted({a.head_dim for a in spec.attention}):
+            # a backend compiling its kernels on first use starts now, beside the rest of the start-up
+            ops_attention.prepare_paged_attention(self.device, head_dim=head_dim, dtype=self.dtype)
         # decode-only steps replay CUDA graphs (cuda_graphs.py) on CUDA, or their buffers in "static"
         wants_graphs = config.decode_graphs == "static" or (config.decode_graphs == "auto"
                                                             and self.device.type == "cuda")
@@ -211,6 +215,7 @@ class EngineCore:
         if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
             self._warm_up()
         t_warm = time.perf_counter() - t_warm
+        ops_attention.paged_attention_started()  # e.g. kernels for the next start, compiled from now on
         if self.jit_watch is not None:
             self.jit_watch.mark_ready()
             jit1 = self.jit_watch.summary()
