@@ -5,7 +5,7 @@
     mstar ops                     the ops, their backends and what loaded (python -m mstar.ops)
     mstar cache ...               the on-disk kernel caches (python -m mstar.ops.cache)
     mstar knobs ...               the MSTAR_* knobs (python -m mstar.runtime.knobs)
-    mstar bench NAME ...          benchmarks: serve, whisper, speech, video, images, offline, gate,
+    mstar bench NAME ...          benchmarks: serve, startup, whisper, speech, video, images, offline, gate,
                                   gate-model, ops (pytest on mstar/bench/ops)
     mstar --version
 """
@@ -24,6 +24,7 @@ _TOOLS = {
 }
 _BENCHES = {
     "serve": "mstar.bench.serve",
+    "startup": "mstar.bench.startup",
     "whisper": "mstar.bench.whisper",
     "speech": "mstar.bench.speech",
     "video": "mstar.bench.video",
@@ -42,8 +43,9 @@ commands:
   ops            the ops, their backends and the selection per device
   cache          build, list, export, import and clear the kernel caches
   knobs          the MSTAR_* settings, their defaults and meanings
-  bench NAME     benchmarks: serve (an OpenAI server or HF generate), whisper, speech, video, images (Wan, with
-                 diffusers as the baseline), offline, gate, gate-model, ops (every op and backend timed: pytest on the installed mstar/bench/ops, extra args passed on)
+  bench NAME     benchmarks: serve (an OpenAI server or HF generate), startup (launch to first token), whisper,
+                 speech, video, images (Wan, with diffusers as the baseline), offline, gate, gate-model, ops (every
+                 op and backend timed: pytest on the installed mstar/bench/ops, extra args passed on)
   --version      print mstar's version
 """
 

@@ -76,9 +76,10 @@ KNOBS: tuple[Knob, ...] = (
          "Per-op backend choice, e.g. 'rms_norm=triton,gdn_prefill=fla' or '*=reference'. "
          "Empty: each op uses its fastest available backend for the tensor's device."),
     Knob("MSTAR_PREFILL_ATTENTION", "choice", "auto",
-         "FlashInfer's backend for paged prefill: 'auto' (on Hopper fa3 once its module is compiled, until "
-         "then fa2, whose module decode needs anyway, with fa3's compiled in the background after start-up; "
-         "elsewhere FlashInfer's choice), 'fa2' or 'fa3'. Fixed per process at its first prefill.",
+         "FlashInfer's backend for paged prefill: 'auto' (on Hopper fa3 where its module is in the kernel "
+         "cache, else fa2, whose module decode needs anyway: a cold start compiles one module, not two; "
+         "elsewhere FlashInfer's choice), 'fa2' or 'fa3' (one start with fa3 puts its module in the cache). "
+         "Fixed per process at its first prefill.",
          choices=("auto", "fa2", "fa3")),
     Knob("MSTAR_VERIFY", "bool", False,
          "Run the reference beside the selected backend on live inputs and record the largest "

@@ -1,6 +1,6 @@
-"""FlashInfer's prefill backend choice and its modules compiled ahead of use (flashinfer_prefill.py),
-on the CPU: FlashInfer's module specs stand in as objects that record their builds; the
-start-up hooks of the op layer are driven as the runtime drives them."""
+"""FlashInfer's prefill backend choice and its fa2 module compiled ahead of use (flashinfer_prefill.py),
+on the CPU: FlashInfer's module specs stand in as objects that record their builds; the op
+layer's start-up hook is driven as the runtime drives it."""
 
 import threading
 
@@ -14,19 +14,11 @@ from mstar.ops.backends import flashinfer_prefill as fp
 class FakeSpec:
     def __init__(self, compiled: bool):
         self.is_compiled = compiled
-        self.builds = []  # (thread name, its nice value)
+        self.builds = []  # the thread each build ran on
 
     def build(self):
-        self.builds.append((threading.current_thread().name, _nice()))
+        self.builds.append(threading.current_thread().name)
         self.is_compiled = True
-
-
-def _nice():
-    import os
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except (AttributeError, OSError):
-        return None
 
 
 @pytest.fixture()
@@ -35,7 +27,6 @@ def fake(monkeypatch):
     monkeypatch.setattr(fp, "_spec", lambda backend, dtype, head_dim: specs[backend])
     monkeypatch.setattr(fp, "_hopper", lambda device: True)
     monkeypatch.setattr(fp, "_chosen", {})
-    monkeypatch.setattr(fp, "_for_later", set())
     from mstar import knobs
     with knobs.override(MSTAR_PREFILL_ATTENTION="auto"):
         yield specs
@@ -54,44 +45,35 @@ def test_choice(setting, hopper, compiled, want):
     assert fp.choose(setting, hopper, compiled) == want
 
 
-def test_cold_process_takes_fa2_and_compiles_fa3_after_start_up(fake):
+def test_cold_process_takes_fa2_and_keeps_it(fake):
     dev = torch.device("cpu")
     assert fp.prefill_backend(dev, torch.bfloat16, 256) == "fa2"
     fake["fa3"].is_compiled = True  # compiled meanwhile (another process): this process keeps its choice
     assert fp.prefill_backend(dev, torch.bfloat16, 256) == "fa2"
-    fake["fa3"].is_compiled = False
-    assert fake["fa3"].builds == []  # nothing before the start-up is over
-    fp.after_start_up()
-    _join("flashinfer-build-later")
-    assert len(fake["fa3"].builds) == 1 and fake["fa3"].builds[0][0] == "flashinfer-build-later"
-    nice = fake["fa3"].builds[0][1]
-    assert nice is None or nice >= 10  # the background compile runs below the serving threads
-    fp.after_start_up()  # once only
-    _join("flashinfer-build-later")
-    assert len(fake["fa3"].builds) == 1
+    assert fp.prefill_backend(dev, torch.bfloat16, 128) == "fa3"  # a shape seen first now
+    assert fake["fa3"].builds == [] and fake["fa2"].builds == []  # choosing builds nothing
 
 
-def test_warm_process_takes_fa3_and_builds_nothing(fake):
+def test_warm_process_takes_fa3(fake):
     fake["fa3"].is_compiled = True
     assert fp.prefill_backend(torch.device("cpu"), torch.bfloat16, 256) == "fa3"
-    fp.after_start_up()
-    _join("flashinfer-build-later")
-    assert fake["fa3"].builds == [] and fake["fa2"].builds == []
 
 
-def test_forced_backend_queues_no_build(fake):
+def test_forced_backend(fake):
     from mstar import knobs
     with knobs.override(MSTAR_PREFILL_ATTENTION="fa2"):
+        fake["fa3"].is_compiled = True
         assert fp.prefill_backend(torch.device("cpu"), torch.bfloat16, 128) == "fa2"
-    fp.after_start_up()
-    _join("flashinfer-build-later")
-    assert fake["fa3"].builds == []
+    with knobs.override(MSTAR_PREFILL_ATTENTION="fa3"):
+        assert fp.prefill_backend(torch.device("cpu"), torch.float16, 128) == "fa3"
+
+
 
 
 def test_prepare_compiles_the_fa2_module_in_a_thread(fake):
     fp.prepare(torch.device("cpu"), head_dim=256, dtype=torch.bfloat16)
     _join("flashinfer-build")
-    assert [b[0] for b in fake["fa2"].builds] == ["flashinfer-build"]
+    assert fake["fa2"].builds == ["flashinfer-build"]
     fp.prepare(torch.device("cpu"), head_dim=256, dtype=torch.bfloat16)  # compiled: nothing to do
     fp.prepare(torch.device("cpu"), head_dim=256, dtype=torch.float32)  # not FlashInfer's dtype
     _join("flashinfer-build")
@@ -107,18 +89,13 @@ def test_a_failed_build_ahead_of_use_only_warns(fake, caplog):
     assert "ahead of use failed: nvcc not found" in caplog.text
 
 
-def test_runtime_hooks_reach_the_selected_backend(monkeypatch):
+def test_runtime_hook_reaches_the_selected_backend(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "_PREPARE", {})
-    monkeypatch.setattr(attention, "_prepared", [])
-    attention.register_prepare("reference", lambda device, **kw: calls.append(("prepare", device.type, kw)),
-                               lambda: calls.append("started"))
+    attention.register_prepare("reference", lambda device, **kw: calls.append((device.type, kw)))
     attention.register_prepare("not-selected", lambda device, **kw: calls.append("wrong backend"))
     attention.prepare_paged_attention("cpu", head_dim=64, dtype=torch.float32)
-    assert calls == [("prepare", "cpu", {"head_dim": 64, "dtype": torch.float32})]  # once for both ops
-    attention.paged_attention_started()
-    attention.paged_attention_started()
-    assert calls[1:] == ["started"]
+    assert calls == [("cpu", {"head_dim": 64, "dtype": torch.float32})]  # once for both ops
 
 
 def test_knob_rejects_other_backends():
@@ -126,3 +103,13 @@ def test_knob_rejects_other_backends():
     with pytest.raises(knobs.KnobError):
         knobs.parse_environment({"MSTAR_PREFILL_ATTENTION": "cudnn"})
     assert knobs.parse_environment({"MSTAR_PREFILL_ATTENTION": "fa3"})["MSTAR_PREFILL_ATTENTION"] == "fa3"
+
+
+def test_the_engine_prepares_its_attention_before_its_first_step(monkeypatch):
+    from mstar.runtime.engine.config import EngineConfig
+    from mstar.runtime.engine.engine_core import EngineCore
+    calls = []
+    monkeypatch.setattr(attention, "_PREPARE", {"reference": lambda device, **kw: calls.append(kw)})
+    core = EngineCore(EngineConfig(model="tiny-qwen3.5", device="cpu", dtype="float32", max_num_seqs=2))
+    head_dims = {a.head_dim for a in core.model.cache_spec().attention}
+    assert calls == [{"head_dim": d, "dtype": torch.float32} for d in sorted(head_dims)] and calls

@@ -202,16 +202,13 @@ __all__ += ["StaticDecodePlan", "decode_graph_plan", "register_decode_plan"]
 
 
 # --- start-up hooks: kernels compiled ahead of the first step --------------------------------
-_PREPARE: dict[str, tuple[Callable, Callable | None]] = {}
-_prepared: list[Callable] = []  # the after-start-up hooks of the backends prepared in this process
+_PREPARE: dict[str, Callable] = {}
 
 
-def register_prepare(backend: str, prepare: Callable, after_start_up: Callable | None = None) -> None:
+def register_prepare(backend: str, prepare: Callable) -> None:
     """prepare(device, *, head_dim, dtype): called by `prepare_paged_attention` when `backend` serves
-    paged attention on that device; it may start compiling its kernels in the background.
-    after_start_up(): called by `paged_attention_started` (the server is up: work that would have
-    slowed the start, such as compiling kernels for the next start, may run now)."""
-    _PREPARE[backend] = (prepare, after_start_up)
+    paged attention on that device; it may start compiling its kernels in the background."""
+    _PREPARE[backend] = prepare
 
 
 def prepare_paged_attention(device, *, head_dim: int, dtype: torch.dtype) -> None:
@@ -224,16 +221,7 @@ def prepare_paged_attention(device, *, head_dim: int, dtype: torch.dtype) -> Non
         backend = op.selected(device.type)
         if backend in _PREPARE and backend not in done:
             done.add(backend)
-            prepare, after = _PREPARE[backend]
-            prepare(device, head_dim=head_dim, dtype=dtype)
-            if after is not None:
-                _prepared.append(after)
+            _PREPARE[backend](device, head_dim=head_dim, dtype=dtype)
 
 
-def paged_attention_started() -> None:
-    """The runtime calls this once its start-up is over (after its warm-up)."""
-    while _prepared:
-        _prepared.pop()()
-
-
-__all__ += ["register_prepare", "prepare_paged_attention", "paged_attention_started"]
+__all__ += ["register_prepare", "prepare_paged_attention"]

@@ -12,8 +12,8 @@ Each FlashInfer variant is a module compiled on first use (tens of seconds to mi
 decode rows run through the batch prefill kernel of the fa2 backend (tensor cores); prefill
 uses the backend `prefill_backend` picks (flashinfer_prefill.py): on Hopper, fa3 where its
 module is already compiled and fa2 (the decode path's module) where not, so that a cold start
-compiles one module; fa3's is then compiled in the background once the server is up, for the
-next start. `prepare` starts the fa2 module's compile while the runtime's start-up goes on.
+compiles one module. `prepare` starts the fa2 module's compile while the runtime's start-up
+goes on.
 """
 
 from __future__ import annotations
@@ -202,4 +202,4 @@ register_backend(attention.paged_attention_decode, "flashinfer", paged_attention
 attention.register_decode_plan("flashinfer", FlashInferDecodePlan)
 register_backend(attention.paged_attention_prefill, "flashinfer", paged_attention_prefill,
                  available=torch.cuda.is_available, priority=30, note="one plan per step, shared by all layers")
-attention.register_prepare("flashinfer", flashinfer_prefill.prepare, flashinfer_prefill.after_start_up)
+attention.register_prepare("flashinfer", flashinfer_prefill.prepare)

@@ -1,14 +1,14 @@
-"""Which FlashInfer backend runs paged prefill, and its modules compiled ahead of use.
+"""Which FlashInfer backend runs paged prefill, and the fa2 module compiled ahead of use.
 
 FlashInfer compiles each kernel variant on first use. At Qwen3.5's head_dim 256 on an H100, the
-fa2 batch-prefill module (which the decode rows run through as well) took ~40 s to build and
+fa2 batch-prefill module (which the decode rows run through as well) took ~35-40 s to build and
 Hopper's fa3 module ~115 s (notes/startup.md). fa3 is the faster prefill kernel on long prompts
 (1 x 4096 tokens: 233 against 360 us a layer), level with fa2 on batches of short ones.
 
 `prefill_backend` (MSTAR_PREFILL_ATTENTION): "auto" on Hopper takes fa3 where its module is
 already compiled (the kernel cache) and fa2 where it is not, so that a cold start compiles one
-module instead of two; once the server is up, `after_start_up` compiles fa3's in the background
-at a low CPU priority, for the next start. The choice is made once per process, at the first
+module instead of two. One start with MSTAR_PREFILL_ATTENTION=fa3 compiles fa3's module into the
+kernel cache; "auto" takes it from then on. The choice is made once per process, at its first
 prefill, so a server's outputs do not change over its life. Off Hopper "auto" is FlashInfer's
 own choice. "fa2" / "fa3" force one.
 
@@ -20,7 +20,6 @@ lock and then loads it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -30,7 +29,6 @@ from mstar import knobs
 log = logging.getLogger("mstar.ops")
 
 _chosen: dict[tuple, str] = {}  # (device, dtype, head_dim) -> backend, fixed at the first prefill
-_for_later: set[tuple] = set()  # (dtype, head_dim) whose fa3 module to compile after start-up
 _lock = threading.Lock()
 
 
@@ -74,8 +72,6 @@ def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
             hopper = _hopper(device)
             spec = _spec("fa3", dtype, head_dim) if setting == "auto" and hopper else None
             backend = choose(setting, hopper, spec is not None and spec.is_compiled)
-            if setting == "auto" and backend == "fa2" and spec is not None:
-                _for_later.add((dtype, head_dim))
             _chosen[key] = backend
             log.info("paged prefill on FlashInfer's %s backend (MSTAR_PREFILL_ATTENTION=%s)", backend, setting)
     return backend
@@ -98,22 +94,3 @@ def prepare(device: torch.device, *, head_dim: int, dtype: torch.dtype) -> None:
     if spec is not None and not spec.is_compiled:
         threading.Thread(target=_build, args=(spec, f"the fa2 prefill module (head_dim {head_dim})"),
                          name="flashinfer-build", daemon=True).start()
-
-
-def _build_later(jobs: list[tuple]) -> None:
-    try:  # nice this thread, and with it the compilers it starts, under the serving threads
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
-    for dtype, head_dim in jobs:
-        spec = _spec("fa3", dtype, head_dim)
-        if spec is not None:
-            _build(spec, f"the fa3 prefill module (head_dim {head_dim}) for the next start")
-
-
-def after_start_up() -> None:
-    with _lock:
-        jobs = sorted(_for_later, key=str)
-        _for_later.clear()
-    if jobs:
-        threading.Thread(target=_build_later, args=(jobs,), name="flashinfer-build-later", daemon=True).start()

@@ -215,7 +215,6 @@ class EngineCore:
         if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
             self._warm_up()
         t_warm = time.perf_counter() - t_warm
-        ops_attention.paged_attention_started()  # e.g. kernels for the next start, compiled from now on
         if self.jit_watch is not None:
             self.jit_watch.mark_ready()
             jit1 = self.jit_watch.summary()
