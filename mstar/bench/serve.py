@@ -530,6 +530,16 @@ def table_lines(cols: list[tuple[str, str, str]], recs: list[dict[str, Any]]) ->
     return lines
 
 
+def add_record_flags(p: argparse.ArgumentParser, bench_name: str) -> None:
+    """The flags of where a benchmark's records go (report_records reads them)."""
+    p.add_argument("--label", default=None, help="Free-form label stored in the records.")
+    p.add_argument("--bench-name", default=bench_name, help="Record field 'bench' and the results file name.")
+    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"),
+                   help="Where <bench-name>.jsonl is appended.")
+    p.add_argument("--no-record", action="store_true", help="Print the table only; append no record.")
+    p.add_argument("--json", action="store_true", help="Also print the records as JSON lines.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mstar.bench.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -561,17 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body.")
     p.add_argument("--tp", type=int, default=1, help="Tensor-parallel degree to record (the server's).")
     p.add_argument("--gpu", default=None, help="GPU name to record (default: the server's, else this machine's).")
-    p.add_argument("--label", default=None, help="Free-form label stored in the record.")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="hf backend: dtype.")
     p.add_argument("--device", default="auto", help="hf backend: device (auto: cuda if available).")
     p.add_argument("--random-weights", action="store_true",
                    help="hf backend with a directory: random weights from its config instead of the checkpoint.")
-    p.add_argument("--bench-name", default="llm_serve", help="Record field 'bench' and the results file name.")
-    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"),
-                   help="Where <bench-name>.jsonl is appended.")
-    p.add_argument("--no-record", action="store_true", help="Print the table only.")
-    p.add_argument("--json", action="store_true", help="Also print the records as JSON lines.")
+    add_record_flags(p, "llm_serve")
     p.add_argument("--quiet", action="store_true", help="No warnings on stderr.")
     return p
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from mstar.bench.serve import git_commit, report_records, table_lines
+from mstar.bench.serve import add_record_flags, git_commit, report_records, table_lines
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -155,12 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="Seconds a launch may take to serve its first token.")
     p.add_argument("--log-dir", default=None,
                    help="Keep each launch's server log here as startup-<run>.log (default: a temporary folder).")
-    p.add_argument("--label", default=None, help="Free-form label stored in the records.")
-    p.add_argument("--bench-name", default="startup", help="Record field 'bench' and the results file name.")
-    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"),
-                   help="Where <bench-name>.jsonl is appended.")
-    p.add_argument("--no-record", action="store_true", help="Print the table only.")
-    p.add_argument("--json", action="store_true", help="Also print the records as JSON lines.")
+    add_record_flags(p, "startup")
     return p
 
 

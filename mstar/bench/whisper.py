@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import _REPO, _local_gpu, closed_loop, git_commit, percentile, report_records, table_lines
+from mstar.bench.serve import (_REPO, _local_gpu, add_record_flags, closed_loop, git_commit, percentile,
+                               report_records, table_lines)
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
 
@@ -275,12 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout (s).")
     p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size to record (with --launch pass --tp in --server-args).")
     p.add_argument("--gpu", default=None, help="GPU name to record (default: the server's /health).")
-    p.add_argument("--label", default=None, help="Free-form label stored in the records.")
-    p.add_argument("--bench-name", default="whisper", help="Records go to RESULTS_DIR/<bench-name>.jsonl.")
-    p.add_argument("--results-dir", default=os.path.join(_REPO, "notes", "results"),
-                   help="Where the records are appended.")
-    p.add_argument("--no-record", action="store_true", help="Print only; append no record.")
-    p.add_argument("--json", action="store_true", help="Also print the records as JSON lines.")
+    add_record_flags(p, "whisper")
     return p
 
 
