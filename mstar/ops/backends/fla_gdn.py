@@ -23,8 +23,8 @@ from mstar.ops.backends.lean_import import import_lean
 from mstar.ops.backends.triton_gdn import gdn_prefill_prep
 from mstar.ops.registry import register_backend
 
-# fla.ops / fla.modules import all of fla, and fla's dispatcher torch._dynamo: ~12 s of a start
-# for the two functions used here (lean_import.py)
+# fla.ops / fla.modules import all of fla, and fla's dispatcher torch._dynamo: seconds of every
+# start for the two functions used here (lean_import.py)
 _fla_gdr = import_lean("fla.ops.gated_delta_rule", bare=("fla.ops", "fla.modules", "fla.modules.norm"),
                        skip_compiler_disable=True)
 chunk_gated_delta_rule = _fla_gdr.chunk_gated_delta_rule

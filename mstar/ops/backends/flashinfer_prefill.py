@@ -1,9 +1,9 @@
 """Which FlashInfer backend runs paged prefill, and the fa2 module compiled ahead of use.
 
-FlashInfer compiles each kernel variant on first use. At Qwen3.5's head_dim 256 on an H100, the
-fa2 batch-prefill module (which the decode rows run through as well) took ~35-40 s to build and
-Hopper's fa3 module ~115 s (notes/startup.md). fa3 is the faster prefill kernel on long prompts
-(1 x 4096 tokens: 233 against 360 us a layer), level with fa2 on batches of short ones.
+FlashInfer compiles each kernel variant on first use. Hopper's fa3 batch-prefill module takes
+about three times as long to build as fa2's (which the decode rows run through as well), and is
+the faster prefill kernel on long prompts, level with fa2 on batches of short ones
+(notes/startup.md has both measured).
 
 `prefill_backend` (MSTAR_PREFILL_ATTENTION): "auto" on Hopper takes fa3 where its module is
 already compiled (the kernel cache) and fa2 where it is not, so that a cold start compiles one

@@ -2,8 +2,8 @@
 
 fla-core's `fla.ops` imports every op family fla has (about forty), `fla.modules` its layers,
 and fla's backend dispatcher wraps each op in `torch.compiler.disable`, which imports
-torch._dynamo (and sympy) to do so. On an H100 host that was 12 of the 20 s `import mstar.ops`
-took, for one function mstar calls (notes/startup.md).
+torch._dynamo (and sympy) to do so: most of what `import mstar.ops` took on a GPU host, for the
+two functions mstar calls (notes/startup.md).
 
 `import_lean(module, bare=..., skip_compiler_disable=True)`:
 - each package named in `bare` is registered with its `__path__` but without running its
