@@ -34,9 +34,9 @@ import tempfile
 import time
 from typing import Any
 
+from mstar.bench.local_server import SERVING, LocalServer
 from mstar.bench.serve import add_record_flags, git_commit, report_records, table_lines
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the server log's start-up timeline: record key -> pattern (its first group is seconds)
 TIMELINE = {
@@ -51,7 +51,6 @@ TIMELINE = {
     "engine_ready_s": r"engine ready in ([\d.]+) s",
 }
 _TRITON = re.compile(r"start-up built (\d+) Triton kernel variants \(([\d.]+) s")
-_SERVING = re.compile(r"mstar is serving \S+ at (http://\S+) \(ready in ([\d.]+) s\)")
 
 
 def parse_timeline(log: str) -> dict[str, float]:
@@ -65,7 +64,7 @@ def parse_timeline(log: str) -> dict[str, float]:
     m = _TRITON.search(log)
     if m:
         out["triton_variants"], out["triton_s"] = int(m.group(1)), float(m.group(2))
-    m = _SERVING.search(log)
+    m = SERVING.search(log)
     if m:
         out["ready_s"] = float(m.group(2))
     return out
@@ -88,41 +87,19 @@ def first_token_s(url: str, model: str, timeout: float) -> float:
 
 
 def one_run(args, env: dict[str, str], log_path: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "mstar.runtime.serve", args.model, "--port", "0", "--no-access-log"]
-    if not os.path.isdir(args.model):
-        cmd.append("--random-weights")
-    cmd += args.server_args
-    with open(log_path, "w") as log:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = LocalServer(args.model, args.server_args, timeout=args.timeout, log_path=log_path, env=env)
     try:
-        deadline = t0 + args.timeout
-        while True:
-            with open(log_path, errors="replace") as f:
-                text = f.read()
-            m = _SERVING.search(text)
-            if m:
-                break
-            if proc.poll() is not None or time.perf_counter() > deadline:
-                raise RuntimeError(f"the server did not start (log {log_path}):\n{text[-3000:]}")
-            time.sleep(0.05)
-        ready = time.perf_counter() - t0
-        first = first_token_s(m.group(1), args.model, args.timeout)
-        total = time.perf_counter() - t0
+        first = first_token_s(server.url, args.model, args.timeout)
+        total = time.perf_counter() - server.launched_at
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    with open(log_path, errors="replace") as f:
-        rec = parse_timeline(f.read())
-    rec.update(seen_ready_s=round(ready, 2), first_request_s=round(first, 3), first_token_s=round(total, 2))
+        server.close()
+    rec = parse_timeline(server.log())
+    rec.update(seen_ready_s=round(server.ready_s, 2), first_request_s=round(first, 3), first_token_s=round(total, 2))
     return rec
 
 
 def _gpu_name() -> str:
+    # nvidia-smi, not torch: importing torch here would warm the page cache for the cold start
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=20, check=False).stdout.strip().splitlines()
@@ -167,7 +144,6 @@ def main(argv=None) -> int:
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
     env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     cache_dir = None
     if args.cold and args.cache_root:
         if os.path.isdir(args.cache_root) and os.listdir(args.cache_root):

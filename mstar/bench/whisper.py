@@ -33,16 +33,13 @@ import asyncio
 import datetime as _dt
 import io
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.bench.serve import (_REPO, _local_gpu, add_record_flags, closed_loop, git_commit, percentile,
+from mstar.bench.serve import (_local_gpu, add_record_flags, closed_loop, git_commit, percentile,
                                report_records, table_lines)
 
 _ENGINE_KEYS = ("encoder_num_encoded", "encoder_num_calls", "encoder_feature_s", "encoder_time_s")
@@ -183,52 +180,6 @@ def run_level(args, c: int, headers: dict) -> dict[str, Any]:
     return rec
 
 
-# ---------------------------------------------------------------------------------------
-# a local server (--launch)
-
-class _Launched:
-    def __init__(self, args):
-        self.keep = args.server_log is not None  # the log stays where --server-log puts it
-        self.log = open(args.server_log, "w+") if self.keep else \
-            tempfile.NamedTemporaryFile("w+", prefix="mstar-whisper-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "mstar.runtime.serving.serve", "--model", args.model, "--port", "0", "--no-access-log",
-               "--max-num-seqs", str(max(args.concurrency))]
-        if not os.path.isdir(args.model):
-            cmd.append("--random-weights")
-        cmd += args.server_args
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + args.startup_timeout
-        pat = re.compile(r"mstar is serving \S+ at (http://\S+) ")
-        while True:
-            with open(self.log.name, errors="replace") as f:
-                text = f.read()
-            m = pat.search(text)
-            if m:
-                self.url = m.group(1)
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise SystemExit(f"the server did not start:\n{text[-3000:]}")
-            time.sleep(0.2)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.keep:
-            return
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
-
-
 def _server_gpu(base_url: str, headers: dict) -> str | None:
     """The server's GPU as /health reports it (only to a caller with the API key), else None."""
     import httpx
@@ -287,7 +238,12 @@ def main(argv=None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     launched = None
     if args.launch:
-        launched = _Launched(args)
+        from mstar.bench.local_server import LocalServer
+        try:
+            launched = LocalServer(args.model, ["--max-num-seqs", str(max(args.concurrency)), *args.server_args],
+                                   timeout=args.startup_timeout, log_path=args.server_log)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         args.base_url = launched.url  # a directory is served under its path: --model works as the name
     try:
         gpu = args.gpu or _server_gpu(args.base_url, headers) or _local_gpu()
