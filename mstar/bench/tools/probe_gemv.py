@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar.bench.tools.graph_timer import graph_us
+
 SHAPES = {  # label: (N out, K in)
     "0.8b GDN in_proj": (2 * 2048 + 2048 + 2048 + 32, 1024), "0.8b gate_up": (7168, 1024), "0.8b down": (1024, 3584),
     "0.8b GDN out_proj": (1024, 2048), "0.8b attention qkv": (8 * 256 * 2 + 2 * 2 * 256, 1024),
@@ -54,29 +56,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, BM=1 if m == 1 else 16, BN=bn, BK=bk, num_warps=4,
                                         num_stages=stages)
     return y
-
-
-def graph_us(fn, weights, reps: int = 20) -> float:
-    """Microseconds a launch: reps x len(weights) launches captured in one graph, best of 5 replays."""
-    for w in weights:
-        fn(w)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for w in weights:
-                fn(w)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * len(weights)))
-    return best
 
 
 def main() -> None:

@@ -21,26 +21,9 @@ import time
 
 import torch
 
+from mstar.bench.tools.graph_timer import graph_us
+
 SHAPES = {"qwen3.5-0.8b": (8, 2, 256), "qwen3.5-4b": (16, 4, 256)}  # q heads, kv heads, head_dim
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Microseconds a run: reps runs captured in one graph, best of 5 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e3 / reps)
-    return best
 
 
 class Pages:
@@ -86,7 +69,7 @@ def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict) -> tuple[
                    kv_data_type=torch.bfloat16, sm_scale=pages.d ** -0.5)
             return w.run(q, (pages.k, pages.v))
         outs.append(_timed_first(first_use, f"decode, tensor cores {tc}", first))
-        us.append(graph_us(lambda w=w: w.run(q, (pages.k, pages.v))))
+        us.append(graph_us(lambda _, w=w: w.run(q, (pages.k, pages.v))))
     return us[0], us[1], (outs[0].float() - outs[1].float()).abs().max().item()
 
 
@@ -105,7 +88,7 @@ def probe_prefill(pages: Pages, rows: int, tokens: int, first_use: dict) -> tupl
                    sm_scale=pages.d ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
             return w.run(q, (pages.k, pages.v))
         outs.append(_timed_first(first_use, f"prefill, {backend}", first))
-        us.append(graph_us(lambda w=w: w.run(q, (pages.k, pages.v)), reps=5))
+        us.append(graph_us(lambda _, w=w: w.run(q, (pages.k, pages.v)), reps=5))
     return us[0], us[1], (outs[0].float() - outs[1].float()).abs().max().item()
 
 
