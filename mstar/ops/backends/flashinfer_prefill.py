@@ -64,7 +64,8 @@ def _hopper(device: torch.device) -> bool:
 
 
 def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    key = (str(device), dtype, head_dim)
+    """Called on every paged prefill: a dict lookup once the choice is made."""
+    key = (device, dtype, head_dim)
     backend = _chosen.get(key)
     if backend is None:
         with _lock:
