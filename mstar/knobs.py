@@ -145,6 +145,14 @@ KNOBS: tuple[Knob, ...] = (
          "0: step at once. The cost: a lone request (c1) waits the whole window. Measured: "
          "notes/gpu-2026-11-30-idle-gather.md, notes/gpu-2026-12-01-allreduce-norm.md.",
          minimum=0),
+    Knob("MSTAR_REFILL_GATHER_US", "int", 10000,
+         "Engine process: closed-loop clients (each sends its next request when its last one ends) owe the "
+         "engine a request per finished one. While some are owed and nothing runs, the engine waits for them, "
+         "up to this many microseconds after the last finish, so that a wave of clients whose requests ended "
+         "together is prefilled in one step rather than its first arrival alone and the rest a step later. "
+         "A lone client (c1) settles what it owes with its one request and waits nothing; a request arriving "
+         "after the window waits nothing. 0: off (step at the first arrival). Measured: notes/llm-serving.md.",
+         minimum=0),
     Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
          "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
          "bfloat16, which halves the bytes a decode step reads and writes per row and the memory per sequence. "

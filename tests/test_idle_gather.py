@@ -101,3 +101,73 @@ def test_engine_running_state_for_the_gather():
     while core.has_unfinished():
         core.step()
     assert not core.has_running()
+
+
+# --- MSTAR_REFILL_GATHER_US: requests owed by closed-loop clients ---------------------------------
+def _adds(*names):
+    return [("add", [n]) for n in names]
+
+
+def test_refill_waits_for_a_finished_waves_clients_and_no_longer():
+    from mstar.runtime.engine.engine_process import RefillGather
+    refill = RefillGather(1.0)
+    refill.finished(3, time.monotonic())  # three requests ended in one step, nothing runs
+    q = queue.Queue()
+    t = _feed(q, _adds("a", "b", "c", "d"), 0.02)  # their clients' next ones, 20 ms apart, then another
+    cmds = []
+    t0 = time.monotonic()
+    take_commands(q, cmds, busy=False, refill=refill)
+    waited = time.monotonic() - t0
+    assert cmds[:3] == _adds("a", "b", "c") and refill.owed == 0
+    assert waited < 0.5  # returned once the three came, not at the window's end
+    t.join()
+
+
+def test_refill_a_lone_client_waits_nothing():
+    from mstar.runtime.engine.engine_process import RefillGather
+    refill = RefillGather(1.0)
+    refill.finished(1, time.monotonic())
+    q = queue.Queue()
+    t = _feed(q, _adds("a", "b"), 0.3)
+    cmds = []
+    take_commands(q, cmds, busy=False, refill=refill)
+    assert cmds == _adds("a")  # its one request settles it: b (another client) is the next step's
+    t.join()
+
+
+def test_refill_window_bounds_the_wait_and_then_expires():
+    from mstar.runtime.engine.engine_process import RefillGather
+    refill = RefillGather(0.05)
+    refill.finished(4, time.monotonic())
+    q = queue.Queue()
+    t = _feed(q, _adds("a", "b"), 0.3)  # one client comes back; the others never do in time
+    cmds = []
+    t0 = time.monotonic()
+    take_commands(q, cmds, busy=False, refill=refill)
+    assert cmds == _adds("a") and time.monotonic() - t0 < 0.25
+    t.join()
+    assert refill.deadline(time.monotonic()) == 0.0  # the window is over: b waits nothing
+    refill.finished(1, time.monotonic())  # a new finish after the window starts afresh
+    assert refill.owed == 1
+
+
+def test_refill_never_holds_a_running_engine_and_ignores_aborts():
+    from mstar.runtime.engine.engine_process import RefillGather
+    refill = RefillGather(1.0)
+    refill.finished(2, time.monotonic())
+    q = queue.Queue()
+    t = _feed(q, [("abort", ["x"])] + _adds("a", "b"), 0.05)
+    time.sleep(0.01)
+    cmds = []
+    t0 = time.monotonic()
+    take_commands(q, cmds, busy=True, running=True, refill=refill)  # rows decoding: what is there only
+    assert cmds == [("abort", ["x"])] and refill.owed == 2 and time.monotonic() - t0 < 0.04
+    t.join()
+
+
+def test_refill_is_on_by_default_and_off_at_zero():
+    from mstar.runtime.engine.engine_process import RefillGather
+    assert knobs.value("MSTAR_REFILL_GATHER_US") == 10000
+    off = RefillGather(knobs.parse_environment({"MSTAR_REFILL_GATHER_US": "0"})["MSTAR_REFILL_GATHER_US"] / 1e6)
+    off.finished(8, time.monotonic())
+    assert off.owed == 0 and off.deadline(time.monotonic()) == 0.0

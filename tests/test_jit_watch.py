@@ -69,3 +69,11 @@ def test_chains_the_hooks_found_and_restores_them(clean_hooks):
     jit_watch.uninstall()
     assert rt.jit_cache_hook is pre and rt.jit_post_compile_hook is post
 
+
+
+def test_slowest_ranks_kernels_by_their_builds_seconds():
+    w = jit_watch.JitWatch()
+    for name, t in [("m.a", 1.0), ("m.b", 0.5), ("m.a", 2.0), ("m.c", 4.0), ("m.b", 0.25)]:
+        w._record(name, t)
+    assert w.slowest() == [("m.c", 1, 4.0), ("m.a", 2, 3.0), ("m.b", 2, 0.75)]
+    assert w.slowest(since=2, n=2) == [("m.c", 1, 4.0), ("m.a", 1, 2.0)]

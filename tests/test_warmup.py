@@ -89,3 +89,83 @@ def test_warm_up_covers_one_row_and_a_ragged_multi_row_prefill(kind, monkeypatch
     assert any(p == 1 and t % 16 == 0 for p, t in seen), seen
     assert any(p >= 3 and t % 16 != 0 for p, t in seen), seen
     assert_no_leaks(core)
+
+
+@pytest.fixture()
+def building_backend():
+    """A paged-attention backend on the CPU that, like FlashInfer on a cold start, is still building
+    its kernels when the engine starts: its prepare hook returns a live thread, released by the
+    test. The backend runs the reference and records which phase called it."""
+    import threading
+
+    from mstar.ops import attention, registry
+    release = threading.Event()
+    build = threading.Thread(target=release.wait, name="test-build", daemon=True)
+    calls = []
+    ops = (attention.paged_attention_decode, attention.paged_attention_prefill)
+
+    def wrap(op):
+        ref = op.backends["reference"].fn
+
+        def fn(*args):
+            calls.append(op.name)
+            return ref(*args)
+        return fn
+
+    def prepare(device, **kw):
+        if release.is_set():
+            return None  # built
+        if not build.is_alive():
+            build.start()
+        return build
+    for op in ops:
+        registry.register_backend(op, "test-building", wrap(op), devices=("cpu",), priority=99)
+    attention.register_prepare("test-building", prepare)
+    try:
+        yield calls, release
+    finally:
+        release.set()
+        attention._PREPARE.pop("test-building", None)
+        for op in ops:
+            op.backends.pop("test-building", None)
+            op._resolved.clear()
+
+
+def test_a_cold_start_warms_up_beside_the_attention_build(building_backend, monkeypatch):
+    """While the attention backend builds, the warm-up runs with paged attention on the reference
+    (every other kernel of the step compiles meanwhile); the warm-up after the capture runs on the
+    backend. Both leave no trace: the engine's tokens are a cold engine's."""
+    from mstar.runtime.engine.engine_core import EngineCore
+    calls, release = building_backend
+    phases = []
+    warm_up = EngineCore._warm_up
+
+    def record(self):
+        from mstar.ops import attention
+        n = len(calls)
+        warm_up(self)
+        phases.append((attention.paged_attention_prefill.selected("cpu"), len(calls) - n))
+        release.set()  # the build finishes after the first warm-up
+    monkeypatch.setattr(EngineCore, "_warm_up", record)
+    ps = prompts(5, 3, 40, seed=5)
+    core = engine("qwen3.5", page_size=4, warmup="on")
+    # first: the selection overridden to the reference, the backend never called; then the backend
+    assert [p[0] for p in phases] == ["reference", "test-building"]
+    assert phases[0][1] == 0 and phases[1][1] > 0
+    assert core.num_steps == 0 and core.cm.stats().cached_pages == 0
+    out = run_all(core, _reqs(ps))
+    monkeypatch.undo()
+    assert out == run_all(engine("qwen3.5", page_size=4, warmup="off"), _reqs(ps))
+    assert_no_leaks(core)
+
+
+def test_no_build_under_way_one_warm_up(building_backend, monkeypatch):
+    from mstar.runtime.engine.engine_core import EngineCore
+    calls, release = building_backend
+    from mstar.ops import attention
+    monkeypatch.setitem(attention._PREPARE, "test-building", lambda device, **kw: None)  # already built
+    n = []
+    warm_up = EngineCore._warm_up
+    monkeypatch.setattr(EngineCore, "_warm_up", lambda self: (n.append(1), warm_up(self)))
+    engine("qwen3.5", page_size=4, warmup="on")
+    assert len(n) == 1 and calls

@@ -17,10 +17,13 @@ The references below are the CPU path and the ground truth: they loop over rows 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
 
+from mstar.ops import registry
 from mstar.ops.registry import define_op
 
 
@@ -149,6 +152,7 @@ paged_attention_decode = define_op(
     reference=_paged_attention_decode_ref, fake=_paged_attention_decode_fake)
 
 __all__ = ["kv_append", "paged_attention_prefill", "paged_attention_decode"]
+_PAGED = (paged_attention_decode, paged_attention_prefill)
 
 
 # --- decode plans for CUDA graphs -------------------------------------------------------------
@@ -203,25 +207,48 @@ __all__ += ["StaticDecodePlan", "decode_graph_plan", "register_decode_plan"]
 
 # --- start-up hooks: kernels compiled ahead of the first step --------------------------------
 _PREPARE: dict[str, Callable] = {}
+_BUILDS: list[threading.Thread] = []  # the builds prepare hooks started, alive until they finish
 
 
 def register_prepare(backend: str, prepare: Callable) -> None:
     """prepare(device, *, head_dim, dtype): called by `prepare_paged_attention` when `backend` serves
-    paged attention on that device; it may start compiling its kernels in the background."""
+    paged attention on that device; it may start compiling its kernels in a thread, which it
+    returns (None: nothing to build)."""
     _PREPARE[backend] = prepare
 
 
-def prepare_paged_attention(device, *, head_dim: int, dtype: torch.dtype) -> None:
+def prepare_paged_attention(device, *, head_dim: int, dtype: torch.dtype) -> bool:
     """The runtime calls this once it knows the model's attention shape, before its first step, so
     that a backend compiling kernels on first use (FlashInfer's JIT) can start while the rest of
-    the start-up (graph capture, Triton's compiles) goes on."""
+    the start-up (graph capture, Triton's compiles) goes on. True when a build was started."""
     device = torch.device(device)
     done = set()
-    for op in (paged_attention_decode, paged_attention_prefill):
+    started = False
+    for op in _PAGED:
         backend = op.selected(device.type)
         if backend in _PREPARE and backend not in done:
             done.add(backend)
-            _PREPARE[backend](device, head_dim=head_dim, dtype=dtype)
+            build = _PREPARE[backend](device, head_dim=head_dim, dtype=dtype)
+            if build is not None:
+                _BUILDS.append(build)
+                started = True
+    return started
 
 
-__all__ += ["register_prepare", "prepare_paged_attention"]
+def paged_attention_building() -> bool:
+    """Whether a build that `prepare_paged_attention` started is still under way."""
+    _BUILDS[:] = [t for t in _BUILDS if t.is_alive()]
+    return bool(_BUILDS)
+
+
+@contextlib.contextmanager
+def paged_attention_on_reference(device):
+    """Inside: the paged attention ops run their reference on `device`'s type, whatever is
+    selected. The runtime's start-up runs its warm-up this way while a backend's kernels build,
+    so that every other kernel of the step compiles beside that build instead of after it."""
+    with registry.backends_overridden({op.name: "reference" for op in _PAGED}, torch.device(device).type):
+        yield
+
+
+__all__ += ["register_prepare", "prepare_paged_attention", "paged_attention_building",
+            "paged_attention_on_reference"]

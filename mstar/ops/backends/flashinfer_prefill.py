@@ -88,10 +88,14 @@ def _build(spec, what: str) -> None:
         log.warning("FlashInfer: compiling %s ahead of use failed: %s", what, e)
 
 
-def prepare(device: torch.device, *, head_dim: int, dtype: torch.dtype) -> None:
+def prepare(device: torch.device, *, head_dim: int, dtype: torch.dtype) -> threading.Thread | None:
+    """Start compiling the fa2 module in a thread where it is not compiled; the thread, or None."""
     if dtype not in (torch.float16, torch.bfloat16):
-        return  # the reference serves other dtypes
+        return None  # the reference serves other dtypes
     spec = _spec("fa2", dtype, head_dim)
-    if spec is not None and not spec.is_compiled:
-        threading.Thread(target=_build, args=(spec, f"the fa2 prefill module (head_dim {head_dim})"),
-                         name="flashinfer-build", daemon=True).start()
+    if spec is None or spec.is_compiled:
+        return None
+    build = threading.Thread(target=_build, args=(spec, f"the fa2 prefill module (head_dim {head_dim})"),
+                             name="flashinfer-build", daemon=True)
+    build.start()
+    return build

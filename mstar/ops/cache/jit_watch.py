@@ -76,6 +76,18 @@ class JitWatch:
                 "late_kernels": sorted({e.kernel for e in late})}
 
 
+    def slowest(self, since: int = 0, n: int = 5) -> list[tuple[str, int, float]]:
+        """The kernels whose variants took longest to build, from the `since`-th event on:
+        (kernel, variants, seconds), slowest first."""
+        by: dict[str, list] = {}
+        for e in self.events[since:]:
+            v = by.setdefault(e.kernel, [0, 0.0])
+            v[0] += 1
+            v[1] += e.seconds
+        ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:n]
+        return [(k, c, t) for k, (c, t) in ranked]
+
+
 def _kernel_name(fn) -> str:
     if fn is None:
         return "?"

@@ -100,9 +100,11 @@ class EngineCore:
         max_len = config.resolve_max_model_len(getattr(mcfg, "max_position_embeddings", None))
 
         spec = model.cache_spec()
+        attention_building = False  # a paged-attention backend compiles its kernels in the background
         for head_dim in sorted({a.head_dim for a in spec.attention}):
             # a backend compiling its kernels on first use starts now, beside the rest of the start-up
-            ops_attention.prepare_paged_attention(self.device, head_dim=head_dim, dtype=self.dtype)
+            attention_building |= ops_attention.prepare_paged_attention(self.device, head_dim=head_dim,
+                                                                         dtype=self.dtype)
         # decode-only steps replay CUDA graphs (cuda_graphs.py) on CUDA, or their buffers in "static"
         wants_graphs = config.decode_graphs == "static" or (config.decode_graphs == "auto"
                                                             and self.device.type == "cuda")
@@ -171,18 +173,6 @@ class EngineCore:
                                   cross_page_size=spec.cross.page_size if self.has_cross else 0)
         self.masters = self._decode_masters(config, model, wants_graphs, ingraph_tokens, ingraph_rope)
         t_caches = time.perf_counter()
-        self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
-        self.prefill_graphs = self._prefill_graphs(config)  # None: prefill and mixed steps run the forward
-        t_graphs = time.perf_counter()
-        if self.graphs is None:
-            self.masters = None  # nothing reads them
-        self.sampler.masters = self.masters
-        # admission batching: with graphs, few large eager prefill steps beat many small ones
-        admit = config.admit_min_free
-        if admit is None:
-            admit = config.max_num_seqs // 4 if self.graphs is not None else 0
-        self.scheduler.admit_min_free = admit
-        self.scheduler.admit_max_wait = config.admit_max_wait
         self._snapshots = self.has_state and config.enable_prefix_caching and sizes.num_snapshot_slots > 0
         self._snap_every_page = knobs.value("MSTAR_GDN_SNAPSHOTS") == "page"
         self._seqs: dict[str, Sequence] = {}
@@ -190,6 +180,7 @@ class EngineCore:
         self._pending: list[CoreOutput] = []
         self._seed_rng = random.Random(config.seed)
         self._arrivals = 0
+        self.warm_up_steps = 0  # steps the start-up warm-up ran (_warm_up)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
@@ -202,7 +193,25 @@ class EngineCore:
         # MSTAR_PHASE_TIMING: per-step phase times (phase_timing.py); None (the default) costs
         # one `is not None` test per phase boundary and no clock or sync
         self.phase_timer = _phase_timer(self.device, {"model": str(config.model)})
-        self.overlap = None  # overlapped decode (decode_overlap.py)
+        # until captured, steps run eagerly; overlapped decode (decode_overlap.py) needs the graphs
+        self.graphs = self.prefill_graphs = self.overlap = None
+        warm_up = config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda")
+        t_early = 0.0
+        if warm_up and attention_building and self.tp is None:
+            t_early = self._warm_up_beside_attention_build()
+        t_graphs0 = time.perf_counter()
+        self.graphs = self._capture_graphs(config, sizes, max_len) if wants_graphs else None  # None: eager
+        self.prefill_graphs = self._prefill_graphs(config)  # None: prefill and mixed steps run the forward
+        t_graphs = time.perf_counter()
+        if self.graphs is None:
+            self.masters = None  # nothing reads them
+        self.sampler.masters = self.masters
+        # admission batching: with graphs, few large eager prefill steps beat many small ones
+        admit = config.admit_min_free
+        if admit is None:
+            admit = config.max_num_seqs // 4 if self.graphs is not None else 0
+        self.scheduler.admit_min_free = admit
+        self.scheduler.admit_max_wait = config.admit_max_wait
         overlap = config.async_output == "on" or (config.async_output == "auto" and config.decode_graphs == "auto")
         if overlap and self.graphs is not None:  # tp > 1: the loop-back is broadcast (tp.send_chained_step)
             if self.phase_timer is not None:
@@ -210,22 +219,24 @@ class EngineCore:
             else:
                 from mstar.runtime.graphs.decode_overlap import DecodeOverlap
                 self.overlap = DecodeOverlap(self)
-        self.warm_up_steps = 0  # steps the start-up warm-up ran (_warm_up)
         t_warm = time.perf_counter()
-        if config.warmup == "on" or (config.warmup == "auto" and self.device.type == "cuda"):
+        if warm_up:
             self._warm_up()
-        t_warm = time.perf_counter() - t_warm
+        t_warm = time.perf_counter() - t_warm + t_early
         if self.jit_watch is not None:
             self.jit_watch.mark_ready()
             jit1 = self.jit_watch.summary()
-            log.info("start-up built %d Triton kernel variants (%.1f s of compiles and cache loads)",
-                     jit1["built"] - jit0["built"], jit1["seconds"] - jit0["seconds"])
+            slow = ", ".join(f"{k.rsplit('.', 1)[-1]} {c} x {t:.1f} s"
+                             for k, c, t in self.jit_watch.slowest(jit0["built"]) if t >= 0.5)
+            log.info("start-up built %d Triton kernel variants (%.1f s of compiles and cache loads)%s",
+                     jit1["built"] - jit0["built"], jit1["seconds"] - jit0["seconds"],
+                     f"; slowest: {slow}" if slow else "")
         log.info("engine: %s on %s/%s, %d pages x %d tokens, %d slots + %d snapshots, max_model_len %d",
                  config.model, self.device, dtype_name(self.dtype), sizes.num_pages,
                  sizes.page_size, sizes.num_slots, sizes.num_snapshot_slots if spec.state else 0, max_len)
         log.info("engine start-up %.1f s: model %.1f s, tokenizer + caches %.1f s, graphs %.1f s, "
                  "warm-up %.1f s", time.perf_counter() - t_start, t_loaded - t_start, t_caches - t_loaded,
-                 t_graphs - t_caches, t_warm)
+                 t_graphs - t_graphs0, t_warm)
         if self.tp is not None:
             self.tp.startup_done()  # tp > 1: ends the start-up timing (tp.py logs it)
 
@@ -293,6 +304,24 @@ class EngineCore:
             self.admission_wait_s = 0.0
             if self.overlap is not None:
                 self.overlap.num_chained = 0
+
+    def _warm_up_beside_attention_build(self) -> float:
+        """A cold start: the paged-attention backend builds its kernels in the background (FlashInfer's
+        JIT, tens of seconds), and the decode graphs cannot be captured before it is done. Meanwhile
+        the warm-up runs eagerly with paged attention on the reference, so that the step's other
+        kernels (Triton's variants, tens of seconds more) compile beside that build rather than
+        after it. The warm-up after the capture then finds them built. Its seconds."""
+        t0 = time.perf_counter()
+        masters, self.masters = self.masters, None  # in-graph inputs: nothing captured reads them yet
+        try:
+            with ops_attention.paged_attention_on_reference(self.device):
+                self._warm_up()
+        finally:
+            self.masters = masters
+        t = time.perf_counter() - t0
+        log.info("warm-up beside the attention kernels' build: %.1f s (paged attention on the reference; "
+                 "the build %s)", t, "still running" if ops_attention.paged_attention_building() else "done")
+        return t
 
     def _decode_masters(self, config: EngineConfig, model, wants_graphs: bool, tokens: bool, rope: bool):
         """The master buffers of in-graph decode inputs (allocated before any capture), or None."""

@@ -208,6 +208,7 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
     stats_dirty = True
     n_messages = n_records = 0
     gather_s = knobs.value("MSTAR_IDLE_GATHER_US") / 1e6
+    refill = RefillGather(knobs.value("MSTAR_REFILL_GATHER_US") / 1e6)
     has_running = getattr(engine, "has_running", engine.has_unfinished)
     while True:
         busy = engine.has_unfinished()
@@ -217,7 +218,7 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
             t_drain = clock()
         if not busy and pt is not None:
             t_drain = 0  # blocks for requests: the timer marks that gap as waiting, not idle
-        take_commands(in_q, cmds, busy, gather_s, running)
+        take_commands(in_q, cmds, busy, gather_s, running, refill)
         now = time.monotonic()
         if now - last_parent_check > IDLE_POLL_S:
             last_parent_check = now
@@ -262,6 +263,8 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
                 break
         if cmds or outputs:
             stats_dirty = True
+        if outputs:
+            refill.finished(sum(o.finish_reason in ("stop", "length") for o in outputs), time.monotonic())
         stats = None
         if pt is not None:
             t_emit = clock() if stepped else 0
@@ -298,30 +301,71 @@ def _close(engine: Any) -> None:
             logger.exception("engine close failed")
 
 
-def take_commands(in_q, cmds: list, busy: bool, gather_s: float = 0.0, running: bool | None = None) -> None:
+class RefillGather:
+    """MSTAR_REFILL_GATHER_US: requests owed by closed-loop clients. A client that waits for its
+    request's end before sending its next (a benchmark's concurrency level, an agent, a batch
+    script) sends it a few milliseconds after the finish; when a whole wave finishes together,
+    its next requests arrive spread over those milliseconds, and an engine that steps at the
+    first one prefills it alone and the rest a step later. `owed` counts finishes not yet
+    followed by an arrival; while some are owed and nothing runs, the intake waits for them, up
+    to `window_s` after the last finish. A lone request (c1) is its own client's: it settles what
+    is owed and nothing is waited for; one that comes after the window waits nothing either."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.owed = 0
+        self.until = 0.0  # monotonic time the owed requests are waited for until
+
+    def finished(self, n: int, now: float) -> None:
+        if n <= 0 or self.window_s <= 0:
+            return
+        if now >= self.until:
+            self.owed = 0
+        self.owed += n
+        self.until = now + self.window_s
+
+    def arrived(self, cmd) -> None:
+        if self.owed and cmd[0] == "add":
+            self.owed = max(0, self.owed - len(cmd[1]))
+
+    def deadline(self, now: float) -> float:
+        """Until when the intake waits (0.0: not at all)."""
+        return self.until if self.owed and now < self.until else 0.0
+
+
+def take_commands(in_q, cmds: list, busy: bool, gather_s: float = 0.0, running: bool | None = None,
+                  refill: RefillGather | None = None) -> None:
     """Append the commands waiting in in_q to cmds. Busy: only those already there. Idle: block
-    for the first (up to IDLE_POLL_S). Then, with gather_s > 0 (MSTAR_IDLE_GATHER_US), when nothing
-    runs (idle, or only requests waiting for admission: running False), keep taking arrivals until
-    gather_s later, so that a burst starts in one step. The second case is a closed-loop wave whose
-    first request came in while the previous wave's last rows were still decoding: without it that
-    request is prefilled alone and the wave stays split in two steps for good."""
+    for the first (up to IDLE_POLL_S). Then, when nothing runs (idle, or only requests waiting
+    for admission: running False), keep taking arrivals: with gather_s > 0
+    (MSTAR_IDLE_GATHER_US) until gather_s later, and with `refill` while finished requests'
+    clients are owed (RefillGather), so that a burst starts in one step. The second case of
+    "nothing runs" is a closed-loop wave whose first request came in while the previous wave's
+    last rows were still decoding: without it that request is prefilled alone and the wave stays
+    split in two steps for good."""
     if running is None:
         running = busy
+
+    def take(cmd) -> None:
+        cmds.append(cmd)
+        if refill is not None:
+            refill.arrived(cmd)
     try:
         if not busy:
-            cmds.append(in_q.get(timeout=IDLE_POLL_S))
+            take(in_q.get(timeout=IDLE_POLL_S))
         if not running:
-            deadline = time.monotonic() + gather_s
-            while gather_s > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            gather_end = time.monotonic() + gather_s if gather_s > 0 else 0.0
+            while True:
+                now = time.monotonic()
+                end = max(gather_end, refill.deadline(now) if refill is not None else 0.0)
+                if end <= now:
                     break
                 try:
-                    cmds.append(in_q.get(timeout=left))
+                    take(in_q.get(timeout=end - now))
                 except queue.Empty:
                     break
         while True:
-            cmds.append(in_q.get_nowait())
+            take(in_q.get_nowait())
     except queue.Empty:
         pass
 
