@@ -153,13 +153,14 @@ KNOBS: tuple[Knob, ...] = (
          "A lone client (c1) settles what it owes with its one request and waits nothing; a request arriving "
          "after the window waits nothing. 0: off (step at the first arrival). Measured: notes/llm-serving.md.",
          minimum=0),
-    Knob("MSTAR_GDN_STATE_DTYPE", "choice", "float32",
-         "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots): float32, or "
-         "bfloat16, which halves the bytes a decode step reads and writes per row and the memory per sequence. "
-         "Every kernel still computes in float32 and rounds the state when it stores it. With bfloat16 the CPU "
-         "correctness gate (the trained gate model, float32 weights) still passes: every output equals HF's. "
-         "Measured: notes/gpu-2026-11-30-served-default.md.",
-         choices=("float32", "bfloat16")),
+    Knob("MSTAR_GDN_STATE_DTYPE", "choice", "auto",
+         "Dtype of the Gated DeltaNet recurrent state pool (and its prefix-cache snapshots). auto: bfloat16 "
+         "where the model's weights are bfloat16 or float16 (the served default on CUDA), float32 where they "
+         "are float32 (the CPU path, the float32 parity tests). bfloat16 halves the bytes a decode step reads "
+         "and writes per row and the memory per sequence; every kernel still computes in float32 and rounds "
+         "the state when it stores it. The correctness gate (trained checkpoint, strict, logprob check) passes "
+         "with it on the GPU, and the CPU gate with float32 weights. Measured: notes/llm-serving.md.",
+         choices=("auto", "float32", "bfloat16")),
     Knob("MSTAR_TP_ALLREDUCE", "choice", "nccl",
          "How tensor-parallel ranks sum the row-parallel outputs (tp > 1): nccl = torch.distributed.all_reduce "
          "(gloo on CPU); symm_mem = PyTorch symmetric memory's one-shot all-reduce (every rank reads its peers' "

@@ -1,6 +1,7 @@
-"""MSTAR_GDN_STATE_DTYPE: the Gated DeltaNet recurrent state pool in float32 (default) or bfloat16.
+"""MSTAR_GDN_STATE_DTYPE: the Gated DeltaNet recurrent state pool in float32 or bfloat16; the default
+(auto) follows the weights: bfloat16 for half-precision models, float32 for float32 ones.
 
-The default leaves the cache spec, and so every output, as it was. bfloat16 halves the pool
+With float32 weights the default leaves the cache spec, and so every output, as it was. bfloat16 halves the pool
 (and its snapshots); the ops still compute in float32 and round only when they store; the
 first token (computed from the prompt before any state is read back) is unchanged; a TP
 follower takes rank 0's dtype whatever its own knob says."""
@@ -23,7 +24,20 @@ def _reqs():
     return [EngineRequest(str(i), p, G) for i, p in enumerate(PS)]
 
 
-def test_default_is_float32_and_bfloat16_halves_the_pool():
+def test_default_follows_the_weights():
+    from mstar.models.base import state_dtype_for
+    assert knobs.value("MSTAR_GDN_STATE_DTYPE") == "auto"
+    assert state_dtype_for(torch.float32) == torch.float32
+    assert state_dtype_for(torch.bfloat16) == state_dtype_for(torch.float16) == torch.bfloat16
+    with knobs.override(MSTAR_GDN_STATE_DTYPE="float32"):
+        assert state_dtype_for(torch.bfloat16) == torch.float32
+    with knobs.override(MSTAR_GDN_STATE_DTYPE="bfloat16"):
+        assert state_dtype_for(torch.float32) == torch.bfloat16
+    core = engine("qwen3.5", page_size=8, max_model_len=64, max_num_seqs=4, dtype="bfloat16")
+    assert all(t.dtype == torch.bfloat16 for t in core.cm.caches.recurrent_states)
+
+
+def test_float32_weights_keep_a_float32_state_and_bfloat16_halves_the_pool():
     core = engine("qwen3.5", page_size=8, max_model_len=64, max_num_seqs=4)
     assert core.cm.caches.recurrent_states[0].dtype == torch.float32
     spec32 = core.model.cache_spec()

@@ -179,6 +179,24 @@ def test_gdn_and_conv(dtype):
                _tol(dtype), mutated=(3,))
 
 
+@pytest.mark.parametrize("rows", [3, 128])
+def test_gdn_decode_with_a_bfloat16_state(rows):
+    """The state pool in bfloat16 (MSTAR_GDN_STATE_DTYPE's default for half-precision models): at 3
+    rows the kernels take 32 value columns a program, at 128 rows x 32 heads 64 (triton_gdn._block_v)."""
+    hk, hv, dk, dv = 16, 32, 128, 128
+    pool = (r(rows + 5, hv, dk, dv) * 0.1).to(torch.bfloat16)
+    slots = torch.randperm(rows + 5, device=DEV)[:rows]
+    for b in _fast_backends("gdn_decode"):
+        _check("gdn_decode", b, (*_gdn_inputs(rows, hv, dk, dv, torch.bfloat16), pool, slots, dk ** -0.5), 2e-2,
+               mutated=(5,))
+    zba = r(rows, 2 * hv + 8, dtype=torch.bfloat16)
+    fused_args = (r(rows, 2 * hk * dk + hv * dv, dtype=torch.bfloat16), zba[:, :hv], zba[:, hv:2 * hv],
+                  torch.rand(hv, device=DEV).mul(15).add(0.01).log().to(torch.bfloat16),
+                  r(hv, dtype=torch.bfloat16), pool, slots, hk, dk ** -0.5, 1e-6)
+    for b in _fast_backends("gdn_decode_fused"):
+        _check("gdn_decode_fused", b, fused_args, 2e-2, mutated=(5,))
+
+
 def test_verify_mode_on_gpu():
     x, w = r(64, 1024, dtype=torch.bfloat16), r(1024, dtype=torch.bfloat16)
     ops.reset_verify_report()

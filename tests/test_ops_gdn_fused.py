@@ -70,6 +70,16 @@ for dtype, hk, hv, dk, dv in ((torch.float32, 2, 4, 16, 32), (torch.float32, 4, 
     got = triton_gdn.gdn_decode_fused(mixed, a, b, A_log, dt_bias, p2, slots, hk, dk ** -0.5, 1e-6)
     out.append([str(dtype), (ref.float() - got.float()).abs().max().item(), (p1 - p2).abs().max().item(),
                 p2.abs().max().item()])
+# a bfloat16 state pool at dk 128: few (row, head) pairs take BV 32, many take BV 64 (_block_v)
+for rows in (5, 64):
+    m16, a16, b16, alog16, dtb16, pool16, slots16 = _inputs(2, 8, 128, 128, rows, torch.bfloat16, seed=rows)
+    pool16 = pool16.to(torch.bfloat16)
+    assert triton_gdn._block_v(128, rows * 8, pool16) == (64 if rows * 8 >= 512 else 32)
+    p1, p2 = pool16.clone(), pool16.clone()
+    ref = gdn.gdn_decode_fused.backends["reference"].fn(m16, a16, b16, alog16, dtb16, p1, slots16, 2, 128 ** -0.5, 1e-6)
+    got = triton_gdn.gdn_decode_fused(m16, a16, b16, alog16, dtb16, p2, slots16, 2, 128 ** -0.5, 1e-6)
+    out.append(["state bf16", (ref.float() - got.float()).abs().max().item(), (p1.float() - p2.float()).abs().max().item(),
+                p2.abs().max().item()])
 # the plain decode kernel (q, k, v, g, beta given) shares the state step with the fused one
 q, k, v = gdn.split_qkv(mixed.float(), 2, 32, 2, 64, 1e-6)
 g, beta = gdn.gdn_gates(a.float(), b.float(), A_log.float(), dt_bias.float())
@@ -85,5 +95,7 @@ def test_triton_kernel_in_the_interpreter():
     for dtype, d_out, d_state, scale in run_interpreted(_SCRIPT):
         if dtype == "torch.float32":
             assert d_out < 1e-5 and d_state < 1e-5, (dtype, d_out, d_state)
+        elif dtype == "state bf16":  # both round the same float32 update once; an ulp of bf16 apart
+            assert d_out < 0.02 and d_state <= 2 ** -7 * scale, (dtype, d_out, d_state, scale)
         else:  # bf16 q/k: one rounding step apart now and then (1 / sqrt vs rsqrt)
             assert d_out < 0.02 and d_state < 0.02 * max(scale, 1.0), (dtype, d_out, d_state)

@@ -34,6 +34,15 @@ from mstar.models.layers import (ParallelLMHead, QKNormAttention, RMSNorm, Rotar
 log = logging.getLogger("mstar.models")
 
 
+def state_dtype_for(weights: torch.dtype) -> torch.dtype:
+    """The recurrent state pool's dtype (MSTAR_GDN_STATE_DTYPE) for a model with these weights:
+    "auto" keeps half-precision models' state in bfloat16 and float32 models' in float32."""
+    choice = knobs.value("MSTAR_GDN_STATE_DTYPE")
+    if choice == "auto":
+        return torch.bfloat16 if weights in (torch.bfloat16, torch.float16) else torch.float32
+    return getattr(torch, choice)
+
+
 class WeightLoadError(ValueError):
     """A checkpoint does not fit the model: a wrong shape, or missing tensors."""
 
@@ -178,7 +187,7 @@ class DecoderLM(nn.Module):
         return [m.spec() for m in self.attention_layers] + [m.spec() for m in self.state_layers]
 
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec.from_specs(self.memory_specs(), state_dtype=getattr(torch, knobs.value("MSTAR_GDN_STATE_DTYPE")))
+        return CacheSpec.from_specs(self.memory_specs(), state_dtype=state_dtype_for(self.dtype))
 
     def _bind_paged_kv(self, caches: ModelCaches) -> None:
         """Check the paged K/V pools against the attention layers and bind them."""

@@ -19,7 +19,7 @@ row's queries are the last `qo_len` positions of its kv sequence (causal).
 
 Recurrent state (per Gated DeltaNet layer): conv state pool [num_slots, conv_dim, K-1]
 (the last K-1 inputs, oldest first) and recurrent state pool [num_slots, Hv, Dk, Dv]
-(fp32 unless MSTAR_GDN_STATE_DTYPE says bfloat16). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
+(MSTAR_GDN_STATE_DTYPE: bfloat16 for half-precision models, float32 for float32 ones, by default). Every row has one slot; a new sequence's slot is zeroed by the runtime. Snapshot
 slots (for the prefix cache) come from the same pools.
 
 Cross-attention K/V (encoder-decoder models, Whisper): per cross-attention layer, pools
