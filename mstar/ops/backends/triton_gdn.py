@@ -58,9 +58,8 @@ def _state_step(state_ptr, slot, h, H: tl.constexpr, DK: tl.constexpr, DV: tl.co
 def _block_v(dk: int, row_heads: int, state: torch.Tensor) -> int:
     """Value columns per program: a [dk, BV] block of one head's state. 16 KB of float32 state at
     dk 128 (BV 32); a bfloat16 state takes BV 64 (16 KB again, 128-byte rows) once there are
-    enough (row, head) pairs to fill the GPU with the fewer, larger programs: with BV 32 it read
-    at 2.0 TB/s on an H100 at 4B batch 128 where the float32 state read at 3.0
-    (notes/llm-serving.md)."""
+    enough (row, head) pairs to fill the GPU with the fewer, larger programs (with BV 32 its
+    8 KB blocks read far below the bandwidth float32's reach: notes/llm-serving.md)."""
     if dk < 128:
         return 64
     return 64 if state.element_size() == 2 and row_heads >= 512 else 32
