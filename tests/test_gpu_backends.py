@@ -182,7 +182,7 @@ def test_gdn_and_conv(dtype):
 @pytest.mark.parametrize("rows", [3, 128])
 def test_gdn_decode_with_a_bfloat16_state(rows):
     """The state pool in bfloat16 (MSTAR_GDN_STATE_DTYPE's default for half-precision models): at 3
-    rows the kernels take 32 value columns a program, at 128 rows x 32 heads 64 (triton_gdn._block_v)."""
+    rows the kernels take 32 value columns a program, at 128 rows x 32 heads 64 (triton_gdn._launch_config)."""
     hk, hv, dk, dv = 16, 32, 128, 128
     pool = (r(rows + 5, hv, dk, dv) * 0.1).to(torch.bfloat16)
     slots = torch.randperm(rows + 5, device=DEV)[:rows]

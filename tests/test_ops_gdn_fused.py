@@ -70,11 +70,11 @@ for dtype, hk, hv, dk, dv in ((torch.float32, 2, 4, 16, 32), (torch.float32, 4, 
     got = triton_gdn.gdn_decode_fused(mixed, a, b, A_log, dt_bias, p2, slots, hk, dk ** -0.5, 1e-6)
     out.append([str(dtype), (ref.float() - got.float()).abs().max().item(), (p1 - p2).abs().max().item(),
                 p2.abs().max().item()])
-# a bfloat16 state pool at dk 128: few (row, head) pairs take BV 32, many take BV 64 (_block_v)
+# a bfloat16 state pool at dk 128: few (row, head) pairs take BV 32, many take BV 64 (_launch_config)
 for rows in (5, 64):
     m16, a16, b16, alog16, dtb16, pool16, slots16 = _inputs(2, 8, 128, 128, rows, torch.bfloat16, seed=rows)
     pool16 = pool16.to(torch.bfloat16)
-    assert triton_gdn._block_v(128, rows * 8, pool16) == (64 if rows * 8 >= 512 else 32)
+    assert triton_gdn._launch_config(128, rows * 8, pool16) == (64 if rows * 8 >= 512 else 32, 2)
     p1, p2 = pool16.clone(), pool16.clone()
     ref = gdn.gdn_decode_fused.backends["reference"].fn(m16, a16, b16, alog16, dtb16, p1, slots16, 2, 128 ** -0.5, 1e-6)
     got = triton_gdn.gdn_decode_fused(m16, a16, b16, alog16, dtb16, p2, slots16, 2, 128 ** -0.5, 1e-6)

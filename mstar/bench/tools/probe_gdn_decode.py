@@ -5,8 +5,8 @@ its launch configurations: value columns a program (BV) and warps, float32 and b
 
 Each configuration is timed inside a CUDA graph of repeated launches (as a decode graph replays
 them), the rows' state slots spread over a pool larger than L2. TB/s counts the state read and
-written once (the kernel's bytes, the inputs aside). `*` marks what the op picks (`_block_v`, 4
-warps). Results: notes/llm-serving.md.
+written once (the kernel's bytes, the inputs aside). `*` marks what the op picks
+(`triton_gdn._launch_config`). Results: notes/llm-serving.md.
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ def main(argv=None) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for rows in args.rows:
                 inp = _inputs(rows, hk, hv, dtype, dev)
-                pick = triton_gdn._block_v(DK, rows * hv, inp[5])
+                pick = triton_gdn._launch_config(DK, rows * hv, inp[5])
                 state_bytes = 2 * rows * hv * DK * DV * dtype.itemsize
                 cells = []
                 for bv in args.block_v:
                     for w in args.warps:
                         us = graph_us(_launch(inp, hk, bv, w)[0])
-                        mark = "*" if (bv, w) == (pick, 4) else ""
+                        mark = "*" if (bv, w) == pick else ""
                         cells.append(f"{bv}/{w}{mark} {us:6.1f} ({state_bytes / us / 1e6:.2f})")
                 print(f"{label} {str(dtype)[6:]:8s} rows {rows:3d}: " + "  ".join(cells), flush=True)
 

@@ -55,14 +55,14 @@ def _state_step(state_ptr, slot, h, H: tl.constexpr, DK: tl.constexpr, DV: tl.co
     return tl.sum(S * q[:, None], axis=0)
 
 
-def _block_v(dk: int, row_heads: int, state: torch.Tensor) -> int:
-    """Value columns per program: a [dk, BV] block of one head's state. 16 KB of float32 state at
-    dk 128 (BV 32); a bfloat16 state takes BV 64 (16 KB again, 128-byte rows) once there are
-    enough (row, head) pairs to fill the GPU with the fewer, larger programs (with BV 32 its
-    8 KB blocks read far below the bandwidth float32's reach: notes/llm-serving.md)."""
-    if dk < 128:
-        return 64
-    return 64 if state.element_size() == 2 and row_heads >= 512 else 32
+def _launch_config(dk: int, row_heads: int, state: torch.Tensor) -> tuple[int, int]:
+    """(BV, warps): value columns per program (a [dk, BV] block of one head's state) and its warps.
+    At dk 128: BV 64 once a step has 512 (row, head) pairs or more, 32 below (more, smaller
+    programs for small batches); 2 warps for a bfloat16 state, 4 for float32. Each is the best or
+    within 4 % of the best configuration at every 0.8B / 4B shape from 1 to 256 rows on an H100
+    (`python -m mstar.bench.tools.probe_gdn_decode`, notes/llm-serving.md)."""
+    bv = 64 if dk < 128 or row_heads >= 512 else 32
+    return bv, 2 if state.element_size() == 2 else 4
 
 
 def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
@@ -74,9 +74,9 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
     if dk != triton.next_power_of_2(dk) or not state_pool.is_contiguous():
         return gdn.gdn_decode.backends["reference"].fn(q, k, v, g, beta, state_pool, slots, scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    bv = _block_v(dk, b * h, state_pool)
+    bv, warps = _launch_config(dk, b * h, state_pool)
     _gdn_decode_kernel[(b, h, triton.cdiv(dv, bv))](q, k, v, g.contiguous(), beta.contiguous(), state_pool, slots,
-                                                    o, scale, H=h, DK=dk, DV=dv, BV=bv, num_warps=4)
+                                                    o, scale, H=h, DK=dk, DV=dv, BV=bv, num_warps=warps)
     return o
 
 
@@ -120,10 +120,10 @@ def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads
             or a.stride(1) != 1 or b.stride(1) != 1 or hv % num_k_heads):
         return gdn.gdn_decode_fused.backends["reference"].fn(mixed, a, b, A_log, dt_bias, state_pool, slots,
                                                               num_k_heads, scale, eps)
-    bv = _block_v(dk, rows * hv, state_pool)
+    bv, warps = _launch_config(dk, rows * hv, state_pool)
     _gdn_decode_fused_kernel[(rows, hv, triton.cdiv(dv, bv))](
         mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state_pool, slots, o, scale, eps,
-        HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=4)
+        HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=warps)
     return o
 
 
