@@ -113,3 +113,15 @@ def test_the_engine_prepares_its_attention_before_its_first_step(monkeypatch):
     core = EngineCore(EngineConfig(model="tiny-qwen3.5", device="cpu", dtype="float32", max_num_seqs=2))
     head_dims = {a.head_dim for a in core.model.cache_spec().attention}
     assert calls == [{"head_dim": d, "dtype": torch.float32} for d in sorted(head_dims)] and calls
+
+
+def test_paged_attention_on_reference_keeps_the_other_ops_choices():
+    from mstar import knobs
+    from mstar.ops import registry
+    with knobs.override(MSTAR_BACKENDS="rms_norm=reference"):
+        with attention.paged_attention_on_reference():
+            spec = registry.parse_backend_spec(knobs.value("MSTAR_BACKENDS"))
+            assert spec == {"rms_norm": "reference", "paged_attention_decode": "reference",
+                            "paged_attention_prefill": "reference"}
+            assert attention.paged_attention_prefill.selected("cpu") == "reference"
+        assert knobs.value("MSTAR_BACKENDS") == "rms_norm=reference"

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.ops import registry
+from mstar import knobs
 from mstar.ops.registry import define_op
 
 
@@ -242,11 +242,13 @@ def paged_attention_building() -> bool:
 
 
 @contextlib.contextmanager
-def paged_attention_on_reference(device):
-    """Inside: the paged attention ops run their reference on `device`'s type, whatever is
-    selected. The runtime's start-up runs its warm-up this way while a backend's kernels build,
-    so that every other kernel of the step compiles beside that build instead of after it."""
-    with registry.backends_overridden({op.name: "reference" for op in _PAGED}, torch.device(device).type):
+def paged_attention_on_reference():
+    """Inside: the paged attention ops run their reference, whatever MSTAR_BACKENDS or the
+    priorities select (the knob overridden in this process; the other ops keep their choice).
+    The runtime's start-up runs its warm-up this way while a backend's kernels build, so that
+    every other kernel of the step compiles beside that build instead of after it."""
+    spec = ",".join([knobs.value("MSTAR_BACKENDS")] + [f"{op.name}=reference" for op in _PAGED])
+    with knobs.override(MSTAR_BACKENDS=spec):  # an op named twice: the later entry wins
         yield
 
 

@@ -20,7 +20,6 @@ torch.compile, `OpEntry.__call__` skips the dispatcher entirely and calls the ba
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -189,25 +188,6 @@ def _select(entry: OpEntry, device: str) -> Backend:
                                f"on {device}")
     candidates = [b for b in entry.backends.values() if device in b.devices and b.is_available()]
     return max(candidates, key=lambda b: b.priority)
-
-
-@contextlib.contextmanager
-def backends_overridden(choice: dict[str, str], device: str):
-    """Inside: each op named in `choice` runs the named backend on `device` (a device type), in
-    this process, whatever MSTAR_BACKENDS or the priorities select; the selection comes back on
-    exit. Not for use around concurrent steps: the switch is process-wide."""
-    entries = [(_OPS[name], _OPS[name].backends[backend]) for name, backend in choice.items()]
-    saved = [(e, e._resolved.get(device)) for e, _ in entries]
-    try:
-        for e, b in entries:
-            e._resolved[device] = b
-        yield
-    finally:
-        for e, prev in saved:
-            if prev is None:
-                e._resolved.pop(device, None)
-            else:
-                e._resolved[device] = prev
 
 
 def _reset_selection() -> None:

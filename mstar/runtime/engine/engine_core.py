@@ -314,7 +314,7 @@ class EngineCore:
         t0 = time.perf_counter()
         masters, self.masters = self.masters, None  # in-graph inputs: nothing captured reads them yet
         try:
-            with ops_attention.paged_attention_on_reference(self.device):
+            with ops_attention.paged_attention_on_reference():
                 self._warm_up()
         finally:
             self.masters = masters

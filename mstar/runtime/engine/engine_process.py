@@ -263,7 +263,7 @@ def engine_main(config: Any, factory_path: str | None, in_q: mp.Queue, out_q: mp
                 break
         if cmds or outputs:
             stats_dirty = True
-        if outputs:
+        if outputs and refill.window_s > 0:
             refill.finished(sum(o.finish_reason in ("stop", "length") for o in outputs), time.monotonic())
         stats = None
         if pt is not None:
