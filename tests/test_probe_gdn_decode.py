@@ -33,3 +33,4 @@ def test_probe_launches_match_the_reference():
     assert len(got) == 6
     for dtype, bv, d_out, d_state in got:
         assert d_out < 0.02 and d_state < 0.02, (dtype, bv, d_out, d_state)
+

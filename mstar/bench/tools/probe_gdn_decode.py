@@ -54,11 +54,14 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--block-v", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     dev = "cuda"
     print(f"{torch.cuda.get_device_name()}; us a launch (TB/s of state); * = the op's choice")
-    for label, (hk, hv) in SHAPES.items():
-        for dtype in (torch.float32, torch.bfloat16):
+    for label in args.models:
+        hk, hv = SHAPES[label]
+        for dtype in (getattr(torch, d) for d in args.dtypes):
             for rows in args.rows:
                 inp = _inputs(rows, hk, hv, dtype, dev)
                 pick = triton_gdn._launch_config(DK, rows * hv, inp[5])

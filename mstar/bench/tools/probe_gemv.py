@@ -26,6 +26,7 @@ SHAPES = {  # label: (N out, K in)
     "0.8b LM head": (248320, 1024),
     "4b GDN in_proj": (2 * 2048 + 4096 + 4096 + 64, 2560), "4b gate_up": (18432, 2560), "4b down": (2560, 9216),
     "4b GDN out_proj": (2560, 4096), "4b attention qkv": (16 * 256 * 2 + 2 * 4 * 256, 2560),
+    "4b LM head": (248320, 2560),
 }
 CONFIGS = [(bn, bk, ns) for bn in (4, 8, 16, 32) for bk in (256, 512) for ns in (3, 4)]  # rows, K block, stages
 

@@ -129,6 +129,8 @@ def main() -> None:
                     help="auto: overlapped decode (with --decode-graphs auto), as served")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the profile is rank 0's)")
     ap.add_argument("--top", type=int, default=25, help="rows per table")
+    ap.add_argument("--by-shape", action="store_true",
+                    help="also list the prefill step's ops by input shape (which copy or cast costs what)")
     ap.add_argument("--timed", type=int, default=5,
                     help="unprofiled prefill steps of the same shape timed first (0: none)")
     args = ap.parse_args()
@@ -152,7 +154,7 @@ def main() -> None:
         core.add_request(r)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=args.by_shape) as prof:
         t = time.perf_counter()
         core.step()  # the prefill step
         _sync()
@@ -161,6 +163,9 @@ def main() -> None:
     print(_kinds(prof, 1))
     print(_table(prof, dev_key, args.top))
     print(_table(prof, "self_cpu_time_total", args.top))
+    if args.by_shape:
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by=dev_key, row_limit=args.top,
+                                                                 max_name_column_width=40, max_shapes_column_width=90))
 
     with profile(activities=acts) as prof:
         t = time.perf_counter()

@@ -153,6 +153,7 @@ def _conv_prefill_kernel(x_ptr, w_ptr, b_ptr, state_ptr, cu_ptr, slot_ptr, snap_
 # token block x channel block of a prefill program (module level: tests shrink them to hit partial blocks)
 _PREFILL_BLOCK_T = 16
 _PREFILL_BLOCK_C = 128
+_PREFILL_WARPS = 4
 
 
 def _search_steps(p: int) -> int:
@@ -186,7 +187,8 @@ def causal_conv1d_prefill(x, weight, bias, conv_state_pool, cu_seqlens, slots, s
     grid = (n_tok_blocks + triton.cdiv(n_snap + p, bt), triton.cdiv(c, bc))
     _conv_prefill_kernel[grid](x, weight, bias if bias is not None else weight, conv_state_pool, cu, slots_d, snap_tok,
                                out, new, t, c, p, n_snap, n_tok_blocks, x.stride(0), N_STEPS=_search_steps(p), K=k,
-                               HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=bt, BLOCK_C=bc)
+                               HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=bt, BLOCK_C=bc,
+                               num_warps=_PREFILL_WARPS)
     # after the kernel (same stream): it read the old pool; snapshots first, then rows, as the reference
     if n_snap:
         conv_state_pool.index_copy_(0, snap_slots.to(device=dev, dtype=torch.long), new[:n_snap])
