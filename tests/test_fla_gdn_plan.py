@@ -126,7 +126,7 @@ def test_fla_plan_in_the_engine_matches_the_reference(fla_backend, monkeypatch):
     fla = gdn.gdn_prefill.backends["fla"]
     gdn.gdn_prefill.backends["fla"] = Backend("fla", fla.fn, ("cpu",), lambda: True, fla.priority, fla.note)
     gdn.gdn_prefill._resolved.clear()
-    # the model calls gdn_prefill_fused: its composed backend (the CUDA default) reaches gdn_prefill
+    # the model calls gdn_prefill_fused: its composed backend (enabled here on the CPU) reaches gdn_prefill
     comp = gdn.gdn_prefill_fused.backends["composed"]
     gdn.gdn_prefill_fused.backends["composed"] = Backend("composed", comp.fn, ("cpu",), lambda: True,
                                                          comp.priority, comp.note)

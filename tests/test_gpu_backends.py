@@ -68,6 +68,9 @@ def test_norms_and_elementwise(dtype):
     z = r(64 * 16, 128, dtype=dtype)
     for b in _fast_backends("gated_rms_norm"):
         _check("gated_rms_norm", b, (r(64 * 16, 128, dtype=dtype), z, r(128, dtype=dtype), 1e-6), _tol(dtype))
+        # Qwen3.5's z: [T, H, D], a column slice of the input projection (read through its strides)
+        zs = r(37, 3 * 16 * 128, dtype=dtype)[:, 16 * 128:2 * 16 * 128].reshape(37, 16, 128)
+        _check("gated_rms_norm", b, (r(37, 16, 128, dtype=dtype), zs, r(128, dtype=dtype), 1e-6), _tol(dtype))
     for b in _fast_backends("l2_norm"):
         _check("l2_norm", b, (r(33, 16, 128, dtype=dtype), 1e-6), _tol(dtype))
 

@@ -75,6 +75,16 @@ for dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bf
                             d_y=(gf.float() - rf.float()).abs().max().item(),
                             d_f64=(gf.double() - y64).abs().max().item(),
                             scale=max(rf.float().abs().max().item(), 1.0)))
+        # the gated norm over heads, z a column slice of a wider projection (no [T * H, D] view of it)
+        heads, d = 2, width // 2
+        zw = (torch.randn(rows, 3 * width, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+        for z in (zw[:, width:2 * width].reshape(rows, heads, d), zw[:, :width].contiguous().reshape(rows, heads, d)):
+            xs = x.reshape(rows, heads, d)
+            rg = norm.gated_rms_norm.backends["reference"].fn(xs, z, w[:d], 1e-6)
+            gg = tn.gated_rms_norm(xs, z, w[:d], 1e-6)
+            out.append(dict(gated=True, dtype=str(dtype), seed=seed, shape_ok=gg.shape == xs.shape,
+                            d_y=(gg.float() - rg.float()).abs().max().item(),
+                            scale=max(rg.float().abs().max().item(), 1.0)))
         ry, rs = norm.fused_add_rms_norm_fp32_weight.backends["reference"].fn(x, r, w, 1e-6)
         gy, gs = tn.fused_add_rms_norm_fp32_weight(x, r, w, 1e-6)
         out.append(dict(rms=True, dtype=str(dtype), seed=seed, zc=None,
@@ -88,7 +98,12 @@ def test_triton_layer_norm_in_the_interpreter():
     got = run_interpreted(_SCRIPT)
     rms = [c for c in got if c.get("rms")]
     fp32w = [c for c in got if c.get("fp32w")]
-    rows = [c for c in got if not c.get("rms") and not c.get("fp32w")]
+    gated = [c for c in got if c.get("gated")]
+    rows = [c for c in got if not c.get("rms") and not c.get("fp32w") and not c.get("gated")]
+    assert len(gated) == 2 * len(rows)
+    for c in gated:  # the reference's roundings: within one step of the output dtype
+        step = 1e-5 if c["dtype"] == "torch.float32" else 2.0 ** -7
+        assert c["shape_ok"] and c["d_y"] <= 2 * step * c["scale"], c
     assert len(rows) == 3 * len(CASES) and len(rms) == 3 * len(rows) and len(fp32w) == 2 * len(rows)
     for c in fp32w:  # one rounding: within one step of the output's dtype of the reference and of float64
         assert c["shape_ok"], c

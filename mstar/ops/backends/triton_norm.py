@@ -102,7 +102,9 @@ def fused_add_rms_norm(x, residual, weight, eps, zero_centered):
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, x_stride, z_stride, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, x_stride, z_stride, z_head_stride, heads, eps,
+                           BLOCK: tl.constexpr):
+    # row = token * heads + head; z is read through its own (token, head) strides
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -110,17 +112,29 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_cols, x_stride, z_str
     var = tl.sum(x * x, axis=0) / n_cols
     y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds before the weight
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * z_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    z_row = z_ptr + (row // heads) * z_stride + (row % heads) * z_head_stride
+    z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
     gate = z / (1.0 + tl.exp(-z))
     tl.store(out_ptr + row * n_cols + cols, (w * y * gate).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _token_head_rows(z: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(z, token stride, head stride, heads): a [T, H, D] gate with unit feature stride as it is
+    (Qwen3.5's z is a column slice of the input projection, which no [T * H, D] view can hold),
+    anything else as [rows, D] rows (heads 1)."""
+    if z.dim() == 3 and z.stride(-1) == 1:
+        return z, z.stride(0), z.stride(1), z.shape[1]
+    z2 = _rows(z)
+    return z2, z2.stride(0), 0, 1
+
+
 def gated_rms_norm(x, z, weight, eps):
-    x2, z2 = _rows(x), _rows(z)
+    x2 = _rows(x)
+    z2, z_stride, z_head_stride, heads = _token_head_rows(z)
     n, h = x2.shape
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     if n:
-        _gated_rms_norm_kernel[(n,)](x2, z2, weight, out, h, x2.stride(0), z2.stride(0), eps,
+        _gated_rms_norm_kernel[(n,)](x2, z2, weight, out, h, x2.stride(0), z_stride, z_head_stride, heads, eps,
                                      BLOCK=triton.next_power_of_2(h))
     return out.view(x.shape)
 
