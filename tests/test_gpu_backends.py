@@ -200,6 +200,20 @@ def test_gdn_decode_with_a_bfloat16_state(rows):
         _check("gdn_decode_fused", b, fused_args, 2e-2, mutated=(5,))
 
 
+def test_copy_rows_equals_torch():
+    """The GDN state pool's gather (cast up) and scatter (cast down) kernel against torch, exactly."""
+    from mstar.bench.tools import probe_state_rows as probe
+    pool = torch.randn(40, 4, 128, 128, device="cuda").to(torch.bfloat16)
+    perm = torch.randperm(40, device="cuda")
+    slots, snap_dst, snap_src = perm[:7], perm[7:10], torch.tensor([0, 3, 6], device="cuda")
+    final = torch.randn(7, 4, 128, 128, device="cuda")
+    p_torch, p_rows = pool.clone(), pool.clone()
+    want_state = pool.index_select(0, slots).float()
+    got_state = probe.copy_rows_moves(p_rows, slots, final, snap_src, snap_dst)
+    probe.torch_moves(p_torch, slots, final, snap_src, snap_dst)
+    assert torch.equal(got_state, want_state) and torch.equal(p_rows, p_torch)
+
+
 def test_verify_mode_on_gpu():
     x, w = r(64, 1024, dtype=torch.bfloat16), r(1024, dtype=torch.bfloat16)
     ops.reset_verify_report()

@@ -21,6 +21,7 @@ import torch
 from mstar.ops import gdn
 from mstar.ops.backends.lean_import import import_lean
 from mstar.ops.backends.triton_gdn import gdn_prefill_prep
+from mstar.ops.backends.triton_rows import copy_rows
 from mstar.ops.registry import register_backend
 
 # fla.ops / fla.modules import all of fla, and fla's dispatcher torch._dynamo: seconds of every
@@ -123,10 +124,17 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx,
         return torch.empty_like(v)
     slots_l = slots.long()
     plan = _step_plan(cu_seqlens, snap_token_idx, snap_slots)
-    if plan.rounds is None:
-        o, final = _run_chunk(q, k, v, g, beta, state_pool.index_select(0, slots_l).float(), plan.cu,
-                              plan.cu_cpu, scale)
-        state_pool.index_copy_(0, slots_l, final.to(state_pool.dtype))
+    if plan.rounds is None or (len(plan.rounds) == 1 and plan.rounds[0].tok is None):
+        # one call over whole rows (snapshots, if any, at row ends: the common case): the rows'
+        # states gathered and cast up in one pass, the final states (snapshots first, as the
+        # rounds below) cast down into the pool in one pass each
+        init = copy_rows(state_pool, slots_l, state_pool.new_empty((slots_l.shape[0], *state_pool.shape[1:]),
+                                                                   dtype=torch.float32), None)
+        o, final = _run_chunk(q, k, v, g, beta, init, plan.cu, plan.cu_cpu, scale)
+        rd = plan.rounds[0] if plan.rounds else None
+        if rd is not None and rd.snap_src is not None:
+            copy_rows(final, rd.snap_src, state_pool, rd.snap_dst)
+        copy_rows(final, None, state_pool, slots_l)
         return o
     out = None
     state = state_pool.index_select(0, slots_l).float()  # running state per row
