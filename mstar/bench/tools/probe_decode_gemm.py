@@ -29,6 +29,16 @@ from mstar.bench.tools.probe_gemv import SHAPES
 
 
 @triton.jit
+def _store_tile(y_ptr, acc, rn, rm, pid_k, M, N, SPLIT: tl.constexpr):
+    """y[rm, rn] = acc^T (split 1), else split pid_k's float32 partial sums into the workspace."""
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    if SPLIT == 1:
+        tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, K_SPLIT, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, SPLIT: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -40,11 +50,7 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, K_SPLIT, BM: tl.constexpr, BN: tl
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0.0)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
-    mask = (rn[:, None] < N) & (rm[None, :] < M)
-    if SPLIT == 1:
-        tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(y_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+    _store_tile(y_ptr, acc, rn, rm, pid_k, M, N, SPLIT)
 
 
 @triton.jit
@@ -58,11 +64,7 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, K_SPLIT, BM: tl.constexpr, 
         acc = tl.dot(w, tl.trans(x), acc)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
-    mask = (rn[:, None] < N) & (rm[None, :] < M)
-    if SPLIT == 1:
-        tl.store(y_ptr + rm[None, :] * N + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(y_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+    _store_tile(y_ptr, acc, rn, rm, pid_k, M, N, SPLIT)
 
 
 @triton.jit
