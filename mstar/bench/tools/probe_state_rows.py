@@ -1,8 +1,8 @@
 """The GDN state pool's moves around a prefill step's chunk kernel, at the Qwen3.5 4B / 0.8B
 shapes with a bfloat16 pool: the rows' states gathered out of the pool in float32, the final states
-and their snapshots scattered back. torch's index_select / index_copy_ with casts (what the fla
-backend ran before copy_rows) against triton_rows.copy_rows, timed inside a CUDA graph; the pools'
-contents are compared for equality first.
+and their snapshots scattered back. torch's index_select / index_copy_ with casts against
+triton_rows.copy_rows (one pass a move), timed inside a CUDA graph; the pools' contents are compared
+for equality first.
 
     python -m mstar.bench.tools.probe_state_rows [--rows 32]
 
