@@ -124,35 +124,29 @@ def gdn_prefill(q, k, v, g, beta, state_pool, cu_seqlens, slots, snap_token_idx,
         return torch.empty_like(v)
     slots_l = slots.long()
     plan = _step_plan(cu_seqlens, snap_token_idx, snap_slots)
-    if plan.rounds is None or (len(plan.rounds) == 1 and plan.rounds[0].tok is None):
-        # one call over whole rows (snapshots, if any, at row ends: the common case): the rows'
-        # states gathered and cast up in one pass, the final states (snapshots first, as the
-        # rounds below) cast down into the pool in one pass each
-        init = copy_rows(state_pool, slots_l, state_pool.new_empty((slots_l.shape[0], *state_pool.shape[1:]),
-                                                                   dtype=torch.float32), None)
-        o, final = _run_chunk(q, k, v, g, beta, init, plan.cu, plan.cu_cpu, scale)
-        rd = plan.rounds[0] if plan.rounds else None
-        if rd is not None and rd.snap_src is not None:
-            copy_rows(final, rd.snap_src, state_pool, rd.snap_dst)
-        copy_rows(final, None, state_pool, slots_l)
-        return o
-    out = None
-    state = state_pool.index_select(0, slots_l).float()  # running state per row
-    for rd in plan.rounds:
-        tok = rd.tok
-        if tok is None:  # one round of whole rows (snapshots only at row ends: the common case)
-            o, final = _run_chunk(q, k, v, g, beta, state, rd.cu, rd.cu_cpu, scale)
-            out = o
-        else:
-            o, final = _run_chunk(q[tok], k[tok], v[tok], g[tok], beta[tok], state.index_select(0, rd.live),
-                                  rd.cu, rd.cu_cpu, scale)
-            if out is None:
-                out = torch.empty_like(v)
-            out[tok] = o
-        state.index_copy_(0, rd.live, final)
-        if rd.snap_src is not None:
-            state_pool.index_copy_(0, rd.snap_dst, final.index_select(0, rd.snap_src).to(state_pool.dtype))
-    state_pool.index_copy_(0, slots_l, state.to(state_pool.dtype))
+    # the rows' running states in float32, gathered out of the pool and cast up in one pass; the
+    # snapshots and the final states go back cast down, one pass each (copy_rows)
+    state = copy_rows(state_pool, slots_l, state_pool.new_empty((slots_l.shape[0], *state_pool.shape[1:]),
+                                                                dtype=torch.float32), None)
+    if plan.rounds is None:  # no snapshots: one call over whole rows
+        out, state = _run_chunk(q, k, v, g, beta, state, plan.cu, plan.cu_cpu, scale)
+    else:
+        out = None
+        for rd in plan.rounds:
+            tok = rd.tok
+            if tok is None:  # one round of whole rows (snapshots only at row ends: the common case)
+                out, final = _run_chunk(q, k, v, g, beta, state, rd.cu, rd.cu_cpu, scale)
+                state = final
+            else:
+                o, final = _run_chunk(q[tok], k[tok], v[tok], g[tok], beta[tok], state.index_select(0, rd.live),
+                                      rd.cu, rd.cu_cpu, scale)
+                if out is None:
+                    out = torch.empty_like(v)
+                out[tok] = o
+                state.index_copy_(0, rd.live, final)
+            if rd.snap_src is not None:
+                copy_rows(final, rd.snap_src, state_pool, rd.snap_dst)
+    copy_rows(state, None, state_pool, slots_l)
     return out
 
 
