@@ -214,6 +214,27 @@ def test_copy_rows_equals_torch():
     assert torch.equal(got_state, want_state) and torch.equal(p_rows, p_torch)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])  # 9: past the kernel's rows, composed
+def test_fused_linear_ops(rows):
+    """The fused-linear ops at the Qwen3.5 4B decode shapes (bf16) against the elementwise op then
+    F.linear, with the gates read through head strides from inside their projections."""
+    bf = torch.bfloat16
+    x, res, nw = r(rows, 2560, dtype=bf), r(rows, 2560, dtype=bf), r(2560, dtype=bf) * 0.1
+    w = r(12352, 2560, dtype=bf) * 2560 ** -0.5
+    for b in _fast_backends("add_rms_norm_linear"):
+        _check("add_rms_norm_linear", b, (x, res, nw, 1e-6, True, w), 1e-2)
+        _check("add_rms_norm_linear", b, (x, res, nw, 1e-6, False, w), 1e-2)
+    for b in _fast_backends("silu_mul_linear"):
+        _check("silu_mul_linear", b, (r(rows, 2 * 9216, dtype=bf), r(2560, 9216, dtype=bf) * 0.01), 1e-2)
+    o, wo = r(rows, 32, 128, dtype=bf), r(2560, 4096, dtype=bf) * 4096 ** -0.5
+    z = r(rows, 3 * 4096, dtype=bf)[:, 4096:2 * 4096].reshape(rows, 32, 128)
+    for b in _fast_backends("gated_rms_norm_linear"):
+        _check("gated_rms_norm_linear", b, (o, z, r(128, dtype=bf), 1e-6, wo), 1e-2)
+    qg = r(rows, 16, 512, dtype=bf)  # per head [query 256 | gate 256]
+    for b in _fast_backends("sigmoid_mul_linear"):
+        _check("sigmoid_mul_linear", b, (r(rows, 16, 256, dtype=bf), qg[..., 256:], wo), 1e-2)
+
+
 def test_verify_mode_on_gpu():
     x, w = r(64, 1024, dtype=torch.bfloat16), r(1024, dtype=torch.bfloat16)
     ops.reset_verify_report()

@@ -106,3 +106,17 @@ def test_attention_prologue_kernels_compile_for_sm90(gated, hq, hk):
            "BLOCK_H": "constexpr"}
     src = ASTSource(fn=te._sigmoid_mul_kernel, signature=sig, constexprs={"D": d, "BLOCK_H": hq})
     assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("pro,group", [(1, 1), (2, 1), (3, 128), (4, 256)])
+def test_fused_linear_kernel_compiles_for_sm90(pro, group):
+    """The fused-linear kernel, each prologue (the per-head norm reshapes a K block into heads)."""
+    from mstar.ops.backends import triton_fused_linear as fl
+    sig = {n: "*bf16" for n in ("x_ptr", "aux_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "y_ptr")}
+    sig.update({n: "i32" for n in ("N", "K", "x_stride", "aux_stride", "aux_group_stride", "res_out_stride",
+                                   "y_stride")})
+    sig.update({"eps": "fp32", **{n: "constexpr" for n in ("PRO", "ZERO_CENTERED", "G", "BN", "BK")}})
+    src = ASTSource(fn=fl._fused_linear_kernel, signature=sig, constexprs={
+        "PRO": pro, "ZERO_CENTERED": True, "G": group, "BN": 8, "BK": max(512, group)})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    assert len(out.asm["cubin"]) > 0

@@ -69,10 +69,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, ctx: ForwardContext, h: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.mixer(ctx, x, rope) if self.uses_rope else self.mixer(ctx, x)
-        x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(x), residual
+        # each norm with the product after it, and each elementwise op before a product with it,
+        # as one op where the layers allow (ops/fused_linear.py: one kernel for a decode step's rows)
+        mixer = self.mixer
+        if hasattr(mixer, "core_post"):
+            y, residual = self.input_layernorm.add_forward_linear(h, residual, mixer.input_projection())
+            h = mixer.core_post(ctx, mixer.split_projection(y), rope)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+            h = mixer(ctx, x, rope) if self.uses_rope else mixer(ctx, x)
+        y, residual = self.post_attention_layernorm.add_forward_linear(h, residual, self.mlp.gate_up_proj)
+        return self.mlp.down(y), residual
 
 
 class TextModel(nn.Module):

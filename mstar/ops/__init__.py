@@ -22,6 +22,7 @@ from mstar.ops.adain import *  # noqa: F401,F403
 from mstar.ops.modulate import *  # noqa: F401,F403
 from mstar.ops.rms_norm_rotary import *  # noqa: F401,F403
 from mstar.ops.fp8 import *  # noqa: F401,F403
+from mstar.ops.fused_linear import *  # noqa: F401,F403
 
 # Toolchain caches (Triton, Inductor, FlashInfer) under the kernel-cache root, before any backend imports them.
 from mstar.ops.cache import toolchains as _toolchains  # noqa: E402

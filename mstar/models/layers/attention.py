@@ -9,7 +9,7 @@ from torch import nn
 from mstar import ops
 from mstar.models import parallel
 from mstar.models.context import AttentionLayerSpec, ForwardContext
-from mstar.models.layers.linear import FusedLinear, RowParallelLinear
+from mstar.models.layers.linear import FusedLinear, RowParallelLinear, fusable_weight
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.layers.rotary import RotaryCache
 
@@ -77,23 +77,45 @@ class QKNormAttention(nn.Module):
     # The forward in three parts (runtime/graphs/prefill_graphs.py captures pre and post, row-wise, in
     # CUDA graphs at padded token counts and runs core, which reads the step's metadata, eagerly).
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (self.qkv_proj(x),)
+        return self.split_projection(self.qkv_proj(x))
 
-    def core(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope: RotaryCache) -> torch.Tensor:
-        qkv, = pre
-        t = qkv.shape[0]
+    def input_projection(self) -> FusedLinear:
+        return self.qkv_proj
+
+    def split_projection(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """pre's outputs from the input projection's."""
+        return (qkv,)
+
+    def _attend(self, ctx: ForwardContext, qkv: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        """The attention's output [T, Hq, D] before its output gate."""
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         # q/k head norms, rotary and the K/V append in one op (one Triton kernel on CUDA)
         q = ops.qk_norm_rope_append(qkv, ctx.positions, self.q_norm.weight, self.k_norm.weight, rope.cos_sin_cache,
                                     hq, hk, d, rope.rotary_dim, self.q_norm.eps, self.q_norm.zero_centered,
                                     self.output_gate, self.k_cache, self.v_cache, ctx.attn.slot_mapping)
-        o = attend_paged(ctx, q, self.k_cache, self.v_cache, self.scale)
-        if self.output_gate:  # the gate is read in place from the projection
-            o = ops.sigmoid_mul(o, ops.split_qkv_heads(qkv, hq, hk, d, True)[3])
-        return o.reshape(t, hq * d)
+        return attend_paged(ctx, q, self.k_cache, self.v_cache, self.scale)
+
+    def _gate(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The output gate [T, Hq, D], read in place from the projection."""
+        return ops.split_qkv_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim, True)[3]
+
+    def core(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope: RotaryCache) -> torch.Tensor:
+        qkv, = pre
+        o = self._attend(ctx, qkv, rope)
+        if self.output_gate:
+            o = ops.sigmoid_mul(o, self._gate(qkv))
+        return o.reshape(qkv.shape[0], self.num_heads * self.head_dim)
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o)
+
+    def core_post(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope: RotaryCache) -> torch.Tensor:
+        """post(core(...)), the output gate and o_proj one op where they can be."""
+        weight = fusable_weight(self.o_proj)
+        if not self.output_gate or weight is None:
+            return self.post(self.core(ctx, pre, rope))
+        qkv, = pre
+        return ops.sigmoid_mul_linear(self._attend(ctx, qkv, rope), self._gate(qkv), weight)
 
     def output_projection(self) -> RowParallelLinear:
         return self.o_proj

@@ -109,6 +109,16 @@ class ParallelLMHead(Linear):
                       pad_from=valid if valid < per else None)
 
 
+def fusable_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The weight of a product that a fused-linear op (ops/fused_linear.py) may compute in the
+    layer's place: a FusedLinear or Linear without a bias (row-parallel: on one rank), else None."""
+    if type(linear) not in (FusedLinear, Linear, RowParallelLinear) or linear.bias is not None:
+        return None
+    if isinstance(linear, RowParallelLinear) and linear.tp_size != 1:
+        return None
+    return linear.weight
+
+
 class ParamHolder(nn.Module):
     """A module that only holds `weight` (e.g. a conv weight used through an op)."""
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from mstar import ops
 from mstar.models import parallel
-from mstar.models.layers.linear import FusedLinear, RowParallelLinear
+from mstar.models.layers.linear import FusedLinear, RowParallelLinear, fusable_weight
 
 
 class GatedMLP(nn.Module):
@@ -25,6 +25,13 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) from the gate_up projection's output, one op where it can be."""
+        weight = fusable_weight(self.down_proj)
+        if weight is None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        return ops.silu_mul_linear(gate_up, weight)
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from mstar import ops
 from mstar.models import parallel
+from mstar.models.layers.linear import fusable_weight
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +41,16 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.forward(x), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
+    def add_forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), x + residual): add_forward and the product that reads it, as
+        one op where the product allows (ops.add_rms_norm_linear)."""
+        weight = fusable_weight(linear)
+        if residual is None or self.reduce_site is not None or weight is None:
+            normed, residual = self.add_forward(x, residual)
+            return linear(normed), residual
+        return ops.add_rms_norm_linear(x, residual, self.weight, self.eps, self.zero_centered, weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"

@@ -28,6 +28,7 @@ from mstar.models.context import ForwardContext, StateLayerSpec
 from mstar.models import parallel
 from mstar.models.layers import (FusedLinear, GatedMLP, ParamHolder, QKNormAttention, RowParallelLinear,
                                   rope_settings, set_shard)
+from mstar.models.layers.linear import fusable_weight
 
 L2_EPS = 1e-6  # transformers' l2norm eps in the gated delta rule
 
@@ -110,7 +111,14 @@ class GatedDeltaNet(nn.Module):
     # projections, the conv / recurrence over the state pools (reads the step's metadata), the
     # output projection.
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = self.in_proj(x)  # [T, conv_dim | value_dim + 2 Hv]: two column views (the conv kernels take row strides)
+        return self.split_projection(self.in_proj(x))
+
+    def input_projection(self) -> FusedLinear:
+        return self.in_proj
+
+    def split_projection(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """pre's outputs from in_proj's [T, conv_dim | value_dim + 2 Hv]: two column views (the conv
+        kernels take row strides)."""
         return y[:, :self.conv_dim], y[:, self.conv_dim:]
 
     def post(self, o: torch.Tensor) -> torch.Tensor:
@@ -127,6 +135,21 @@ class GatedDeltaNet(nn.Module):
         return self.post(self.core(ctx, self.pre(x)))
 
     def core(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope=None) -> torch.Tensor:
+        o, z = self._recur(ctx, pre)
+        t = o.shape[0]
+        return self.norm(o, z).reshape(t, self.value_dim)
+
+    def core_post(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...], rope=None) -> torch.Tensor:
+        """post(core(...)), the gated norm and out_proj one op where they can be."""
+        weight = fusable_weight(self.out_proj)
+        if weight is None:
+            return self.post(self.core(ctx, pre))
+        o, z = self._recur(ctx, pre)
+        return ops.gated_rms_norm_linear(o, z, self.norm.weight, self.norm.eps, weight)
+
+    def _recur(self, ctx: ForwardContext, pre: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the recurrence's output [T, Hv, Dv] in the activation dtype, the gate z [T, Hv, Dv] as a view
+        of the projection): the conv and the gated delta rule over the state pools."""
         mixed, zba = pre
         t = mixed.shape[0]
         nd = ctx.num_decode_tokens
@@ -149,8 +172,7 @@ class GatedDeltaNet(nn.Module):
                                               md.prefill_cu_seqlens, md.prefill_slots, md.snap_token_idx,
                                               md.snap_slots, hk, self.scale, L2_EPS))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)  # [T, Hv, Dv]
-        o = self.norm(o.to(mixed.dtype), z.reshape(t, hv, dv))
-        return o.reshape(t, self.value_dim)
+        return o.to(mixed.dtype), z.reshape(t, hv, dv)
 
 
 class Qwen3_5ForCausalLM(DecoderLM):

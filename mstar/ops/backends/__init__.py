@@ -24,6 +24,7 @@ _MODULES = {
     "mstar.ops.backends.triton_modulate": "triton",
     "mstar.ops.backends.triton_rms_norm_rotary": "triton",
     "mstar.ops.backends.triton_fp8": "triton",
+    "mstar.ops.backends.triton_fused_linear": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
     "mstar.ops.backends.flashinfer_dense_attention": "flashinfer",  # priority 4: cuDNN's stays the default

@@ -1,0 +1,211 @@
+"""The fused-linear ops (ops/fused_linear.py) for a decode step's few rows: one Triton kernel
+that computes the elementwise op as it loads the product's input, instead of a kernel that
+writes that input and cuBLAS reading it back.
+
+A decode step of a small batch is a chain of products a few microseconds each, with a norm or an
+activation of ~1-2 us between every two; most of those kernels' time is their launch and ramp,
+not their bytes. Here a program owns BN output features and loops over K: it loads its
+[BN, BK] weight tile and the matching [rows, BK] slice of the inputs, applies the op to the slice
+in float32, rounds it to the weight dtype (as the op's own output is rounded), and accumulates
+the product in float32 by FMA, a program per row (a GEMV; the rows of one weight tile run side by
+side, so the tile's re-reads come from L2).
+
+The residual add + RMSNorm needs the sum of squares of the whole row before any of it is
+normalised; the kernel multiplies the unnormalised (x + residual) * w and scales the row's sums
+by 1 / rms at the end (one pass over x, the rounding applied to (x + residual) * w instead of to
+the normalised value). Gated DeltaNet's output norm is per head: a K block holds whole heads, so
+it normalises each head as the block is loaded, rounding as the op does.
+
+Above MAX_ROWS rows, and at product shapes that TUNED does not list, the ops run composed: the
+elementwise op's kernel, then cuBLAS. At two or more rows the kernel's re-reads of each weight
+tile, and at 4B its prologue, cost more than the launch it saves (probe_fused_linear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mstar import ops
+from mstar.ops.registry import register_backend
+
+MAX_ROWS = 1
+
+# prologues (the op folded into the product's loads); a jitted kernel reads module globals only as constexpr
+PLAIN, ADD_RMS, SILU_MUL, GATED_RMS, SIGMOID_MUL = (tl.constexpr(i) for i in range(5))
+
+
+@triton.jit
+def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, x_stride, aux_stride,
+                         aux_group_stride, res_out_stride, y_stride, eps, PRO: tl.constexpr,
+                         ZERO_CENTERED: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[row, block] = prologue(x, aux)[row] @ w[block].T for the program's row and BN output features.
+
+    aux: ADD_RMS the residual; SILU_MUL the up half (x the gate half); GATED_RMS the gate z and
+    SIGMOID_MUL the attention gate, both read per head (group of G features) through their head
+    stride. nw: the norm's weight (per feature, or per group position for GATED_RMS)."""
+    row = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    x_row, aux_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    sumsq = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        k_mask = rk < K
+        x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if PRO == ADD_RMS:
+            h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            if pid_n == 0:  # the new residual, as the op rounds it
+                tl.store(res_out_ptr + row * res_out_stride + rk, h, mask=k_mask)
+            hf = h.to(tl.float32)
+            sumsq += hf * hf
+            nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                nw = nw + 1.0
+            xk = hf * nw
+        elif PRO == SILU_MUL:
+            u = tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+            xk = x / (1.0 + tl.exp(-x)) * u
+        elif PRO == GATED_RMS:
+            heads = tl.reshape(x, (BK // G, G))
+            rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / G + eps)
+            normed = tl.reshape(heads * rstd[:, None], (BK,))
+            normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as the op
+            z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            xk = nw * normed * (z / (1.0 + tl.exp(-z)))
+        elif PRO == SIGMOID_MUL:
+            g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
+            xk = x * sig
+        else:
+            xk = x
+        xk = xk.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    if PRO == ADD_RMS:
+        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+# (prologue, N, K) -> (BN, BK, warps): the best of `python -m mstar.bench.tools.probe_fused_linear`'s sweep
+# at one row on an H100 (notes/llm-decode-step.md), the Qwen3.5 0.8B and 4B decode products. The best
+# block shape differs by up to 1.5x from one product to the next, and a poor one loses to the composed
+# pair, so a product whose shape is not here runs composed.
+TUNED = {
+    (1, 8224, 1024): (4, 256, 4), (1, 5120, 1024): (4, 1024, 4), (1, 7168, 1024): (4, 256, 4),
+    (2, 1024, 3584): (8, 1024, 8), (3, 1024, 2048): (4, 1024, 8), (4, 1024, 2048): (8, 1024, 8),
+    (1, 12352, 2560): (4, 512, 2), (1, 10240, 2560): (4, 512, 2), (1, 18432, 2560): (8, 512, 2),
+    (2, 2560, 9216): (8, 1024, 8), (3, 2560, 4096): (4, 1024, 4), (4, 2560, 4096): (8, 1024, 8),
+}
+
+
+def pick_config(pro: int, n: int, k: int) -> dict | None:
+    """Launch parameters for a product of n output features over k, or None (not tuned: composed)."""
+    tuned = TUNED.get((int(pro), n, k))
+    if tuned is None:
+        return None
+    bn, bk, warps = tuned
+    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
+
+
+def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_group_stride: int,
+           norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float = 0.0, zero_centered: bool = False,
+           group: int = 1, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, the new residual for ADD_RMS else None) of the kernel over x [M, K] (unit feature stride)
+    and weight [N, K] (contiguous), a program per row and BN output features; `config` overrides
+    pick_config (the probe's sweep)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if pro == ADD_RMS else y
+    cfg = config or pick_config(pro, n, k)
+    # rows fastest: the programs reading one weight tile run together (its re-reads hit L2)
+    _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
+        x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
+        aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
+        G=group, **cfg)
+    return y, (res_out if pro == ADD_RMS else None)
+
+
+def _fits(pro: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel takes x's rows with this weight: few rows, a tuned shape, one dtype."""
+    return (0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and x.dtype == weight.dtype
+            and pick_config(pro, weight.shape[0], weight.shape[1]) is not None)
+
+
+def _flat_heads(x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H, D] as [T, H * D] rows with unit stride, or None where no view holds it."""
+    if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
+        return None
+    return x.view(x.shape[0], -1) if x.is_contiguous() else x.as_strided((x.shape[0], x.shape[1] * x.shape[2]),
+                                                                          (x.stride(0), 1))
+
+
+# --- composed: the elementwise op's selected backend, then cuBLAS (the path without this kernel) ----
+def composed_add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight):
+    normed, s = ops.fused_add_rms_norm(x, residual, norm_weight, eps, zero_centered)
+    return F.linear(normed, weight), s
+
+
+def composed_silu_mul_linear(x, weight):
+    return F.linear(ops.silu_and_mul(x), weight)
+
+
+def composed_gated_rms_norm_linear(x, z, norm_weight, eps, weight):
+    return F.linear(ops.gated_rms_norm(x, z, norm_weight, eps).reshape(x.shape[0], -1), weight)
+
+
+def composed_sigmoid_mul_linear(x, gate, weight):
+    return F.linear(ops.sigmoid_mul(x, gate).reshape(x.shape[0], -1), weight)
+
+
+# --- the kernel up to MAX_ROWS rows, composed above or where the layout does not fit it --------
+def add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight):
+    if not (_fits(ADD_RMS, x, weight) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1):
+        return composed_add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight)
+    return launch(ADD_RMS, x, residual, residual.stride(0), 0, norm_weight, weight, eps, zero_centered)
+
+
+def silu_mul_linear(x, weight):
+    k = weight.shape[1]
+    if not (_fits(SILU_MUL, x, weight) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] == 2 * k):
+        return composed_silu_mul_linear(x, weight)
+    return launch(SILU_MUL, x[:, :k], x[:, k:], x.stride(0), 0, None, weight)[0]
+
+
+def _per_head(pro: int, x, aux, norm_weight, eps, weight):
+    """GATED_RMS / SIGMOID_MUL over x, aux [T, H, D]; None where the kernel cannot take them."""
+    if not (_fits(pro, x, weight) and x.dim() == 3 and aux.dim() == 3 and aux.stride(-1) == 1):
+        return None
+    flat, d = _flat_heads(x), x.shape[-1]
+    if flat is None or d & (d - 1) or pick_config(pro, *weight.shape)["BK"] % d:  # a K block holds whole heads
+        return None
+    return launch(pro, flat, aux, aux.stride(0), aux.stride(1), norm_weight, weight, eps, group=d)[0]
+
+
+def gated_rms_norm_linear(x, z, norm_weight, eps, weight):
+    y = _per_head(GATED_RMS, x, z, norm_weight, eps, weight)
+    return composed_gated_rms_norm_linear(x, z, norm_weight, eps, weight) if y is None else y
+
+
+def sigmoid_mul_linear(x, gate, weight):
+    y = _per_head(SIGMOID_MUL, x, gate, None, 0.0, weight)
+    return composed_sigmoid_mul_linear(x, gate, weight) if y is None else y
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+for _name in ("add_rms_norm_linear", "silu_mul_linear", "gated_rms_norm_linear", "sigmoid_mul_linear"):
+    register_backend(_name, "composed", globals()["composed_" + _name], available=_cuda, priority=5,
+                     note="the elementwise op's kernel, then cuBLAS")
+    register_backend(_name, "triton", globals()[_name], available=_cuda, priority=10,
+                     note=f"one kernel up to {MAX_ROWS} row(s) at the tuned shapes (the op folded into the product's "
+                          "loads); composed elsewhere")

@@ -1,0 +1,109 @@
+"""The fused-linear ops: the Triton kernel (Triton's CPU interpreter) against a float64 computation of
+the op followed by the product, for each prologue, 1-8 rows, two block shapes, K and N that leave
+partial blocks, gates read through a head stride from inside a wider projection; and the ops' CPU
+path, which is the elementwise op then F.linear, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from triton_interpreter import run_interpreted
+
+from mstar import ops
+from mstar.ops.activation import _sigmoid_mul_ref, _silu_and_mul_ref
+from mstar.ops.norm import _fused_add_rms_norm_ref, _gated_rms_norm_ref
+
+_SCRIPT = r"""
+import json, torch
+from mstar.ops.backends import triton_fused_linear as fl
+from test_fused_linear import case, want
+seed = int(torch.randint(1 << 30, ()))
+out = []
+configs = [dict(BN=8, BK=64, num_warps=4, num_stages=1), dict(BN=16, BK=128, num_warps=4, num_stages=1)]
+for i, pro in enumerate((fl.PLAIN, fl.ADD_RMS, fl.SILU_MUL, fl.GATED_RMS, fl.SIGMOID_MUL)):
+    for m in (1, 3, 8):
+        for ci, cfg in enumerate(configs):
+            args = case(seed + 10 * i + m, pro, m, torch.float32)
+            y, res = fl.launch(*args["launch"], config=cfg)
+            ref, ref_res = want(pro, args)
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            res_err = 0.0 if res is None else (res.double() - ref_res).abs().max().item()
+            out.append([int(pro), m, ci, err, res_err])
+print(json.dumps(out))
+"""
+
+_K, _N, _HEADS, _D = 200, 70, 3, 32  # partial K and N blocks; 3 heads of 32 for the per-head prologues
+
+
+def case(seed: int, pro: int, m: int, dtype) -> dict:
+    """Random inputs of one prologue, laid out as a decoder step has them, and launch's arguments."""
+    from mstar.ops.backends import triton_fused_linear as fl
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    nw = rand(_K, scale=0.3)
+    if pro in (fl.GATED_RMS, fl.SIGMOID_MUL):
+        k = _HEADS * _D
+        x = rand(m, _HEADS, _D)
+        wide = rand(m, 2 * k + 7)  # the gate lives inside a wider projection, every other head slot
+        aux = wide[:, 7:].view(m, _HEADS, 2 * _D)[..., _D:]
+        nw = rand(_D, scale=0.3) + 1
+        w = rand(_N, k, scale=k ** -0.5)
+        launch = (pro, x.view(m, k), aux, aux.stride(0), aux.stride(1), nw, w, 1e-6, False, _D)
+        return dict(x=x, aux=aux, nw=nw, w=w, launch=launch)
+    w = rand(_N, _K, scale=_K ** -0.5)
+    if pro == fl.SILU_MUL:
+        x = rand(m, 2 * _K)
+        return dict(x=x, w=w, launch=(pro, x[:, :_K], x[:, _K:], x.stride(0), 0, None, w))
+    x = rand(m, _K, scale=3.0)
+    r = rand(m, _K, scale=3.0)
+    zc = bool(seed % 2)
+    return dict(x=x, aux=r, nw=nw, w=w, zc=zc, launch=(pro, x, r, r.stride(0), 0, nw, w, 1e-6, zc))
+
+
+def want(pro: int, a: dict):
+    """float64: (the op's output @ w.T, the new residual or None)."""
+    from mstar.ops.backends import triton_fused_linear as fl
+    x, w = a["x"].double(), a["w"].double()
+    res = None
+    if pro == fl.ADD_RMS:
+        res = x + a["aux"].double()
+        nw = a["nw"].double() + (1.0 if a["zc"] else 0.0)
+        x = res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    elif pro == fl.SILU_MUL:
+        x = F.silu(x[:, :_K]) * x[:, _K:]
+    elif pro == fl.GATED_RMS:
+        z = a["aux"].double()
+        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * a["nw"].double() * F.silu(z)).flatten(1)
+    elif pro == fl.SIGMOID_MUL:
+        x = (x * torch.sigmoid(a["aux"].double())).flatten(1)
+    return x @ w.T, res
+
+
+def test_fused_linear_kernel_in_the_interpreter():
+    got = run_interpreted(_SCRIPT)
+    assert len(got) == 5 * 3 * 2
+    for pro, m, cfg, err, res_err in got:
+        assert err < 1e-5 and res_err < 1e-5, (pro, m, cfg, err, res_err)
+
+
+def test_cpu_path_is_the_composed_ops_bit_for_bit():
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    t, h, heads, d, n = 5, 64, 4, 16, 48
+    x, r = torch.randn(t, h, generator=g).bfloat16(), torch.randn(t, h, generator=g).bfloat16()
+    nw, w = torch.randn(h, generator=g).bfloat16(), torch.randn(n, h, generator=g).bfloat16()
+    y, s = ops.add_rms_norm_linear(x, r, nw, 1e-6, True, w)
+    normed, s_ref = _fused_add_rms_norm_ref(x, r, nw, 1e-6, True)
+    assert torch.equal(y, F.linear(normed, w)) and torch.equal(s, s_ref)
+
+    gu = torch.randn(t, 2 * h, generator=g).bfloat16()
+    assert torch.equal(ops.silu_mul_linear(gu, w), F.linear(_silu_and_mul_ref(gu), w))
+
+    o = torch.randn(t, heads, d, generator=g).bfloat16()
+    z = torch.randn(t, heads, 2 * d, generator=g).bfloat16()[..., d:]
+    w2, nw2 = torch.randn(n, heads * d, generator=g).bfloat16(), torch.randn(d, generator=g).bfloat16()
+    assert torch.equal(ops.gated_rms_norm_linear(o, z, nw2, 1e-6, w2),
+                       F.linear(_gated_rms_norm_ref(o, z, nw2, 1e-6).reshape(t, -1), w2))
+    assert torch.equal(ops.sigmoid_mul_linear(o, z, w2), F.linear(_sigmoid_mul_ref(o, z).reshape(t, -1), w2))
