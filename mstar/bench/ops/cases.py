@@ -81,6 +81,33 @@ def _paged_kv(batch: int, ctx: int, kvh: int, d: int, page: int, dtype, device):
     return k_cache, v_cache, indptr, perm, last
 
 
+def _fused_linear_cases(s: Shape, b: int, lab: str, rnd, es: int, conv_channels: int) -> list[Case]:
+    """The fused-linear ops at a decode batch: the norm + GDN input projection, SiLU-and-mul + down, the
+    gated norm + GDN out_proj, the sigmoid gate + o_proj (the kernel's rows at batch 1, composed above)."""
+    def w(n, k):
+        return rnd(n, k) * k ** -0.5
+
+    n_in, hv, q = conv_channels + s.gdn_v_heads * (s.gdn_v_dim + 2), s.gdn_v_heads, s.q_heads * s.head_dim
+    i, v = s.intermediate, s.gdn_v_heads * s.gdn_v_dim
+
+    def gate_view(heads, d):
+        return rnd(b, heads, 2 * d)[..., d:]
+
+    return [
+        Case("add_rms_norm_linear", lab, lambda: (rnd(b, s.hidden), rnd(b, s.hidden), rnd(s.hidden), 1e-6, True,
+                                                   w(n_in, s.hidden)),
+             bytes=(n_in * s.hidden + 3 * b * s.hidden + b * n_in) * es, flops=2 * b * n_in * s.hidden),
+        Case("silu_mul_linear", lab, lambda: (rnd(b, 2 * i), w(s.hidden, i)),
+             bytes=(s.hidden * i + 2 * b * i + b * s.hidden) * es, flops=2 * b * s.hidden * i),
+        Case("gated_rms_norm_linear", lab, lambda: (rnd(b, hv, s.gdn_v_dim), gate_view(hv, s.gdn_v_dim),
+                                                     rnd(s.gdn_v_dim), 1e-6, w(s.hidden, v)),
+             bytes=(s.hidden * v + 2 * b * v + b * s.hidden) * es, flops=2 * b * s.hidden * v),
+        Case("sigmoid_mul_linear", lab, lambda: (rnd(b, s.q_heads, s.head_dim), gate_view(s.q_heads, s.head_dim),
+                                                  w(s.hidden, q)),
+             bytes=(s.hidden * q + 2 * b * q + b * s.hidden) * es, flops=2 * b * s.hidden * q),
+    ]
+
+
 def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
     sz = _sizes(device)
     es = torch.empty((), dtype=dtype).element_size()
@@ -162,6 +189,7 @@ def build_cases(device: str, dtype: torch.dtype) -> list[Case]:
                     torch.randn(b, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim, device=dev) * 0.1,
                     torch.arange(b, device=dev), s.gdn_k_heads, s.gdn_k_dim ** -0.5, 1e-6),
                     bytes=2 * b * state_bytes + b * c * es, flops=6 * b * s.gdn_v_heads * s.gdn_k_dim * s.gdn_v_dim))
+                cases.extend(_fused_linear_cases(s, b, lab, rnd, es, c))
                 ctx = sz["context"]
                 cases.append(Case("paged_attention_decode", f"{lab} ctx{ctx}", lambda b=b, s=s, ctx=ctx: (
                     rnd(b, s.q_heads, s.head_dim),
