@@ -6,6 +6,7 @@ transformers; and the ops' CPU path, which is the elementwise op then F.linear, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from triton_interpreter import run_interpreted
@@ -142,3 +143,25 @@ def test_cpu_path_is_the_composed_ops_bit_for_bit():
     assert torch.equal(ops.gated_rms_norm_linear(o, z, nw2, 1e-6, w2),
                        F.linear(_gated_rms_norm_ref(o, z, nw2, 1e-6).reshape(t, -1), w2))
     assert torch.equal(ops.sigmoid_mul_linear(o, z, w2), F.linear(_sigmoid_mul_ref(o, z).reshape(t, -1), w2))
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-0.8b", "qwen3.5-4b"])
+def test_every_one_row_product_of_the_presets_is_tuned(preset):
+    """The tuned table holds each product a Qwen3.5 0.8B / 4B decode layer hands a fused-linear op
+    (built on the meta device from the preset), and the per-head ops' K blocks hold whole heads:
+    a shape missing here would run composed without a word."""
+    from mstar.models import presets
+    from mstar.models.qwen3_5.model import GatedDeltaNet, Qwen3_5ForCausalLM
+    from mstar.ops.backends import triton_fused_linear as fl
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(presets.make_config(presets.get(preset)))
+    for layer in model.model.layers:
+        m = layer.mixer
+        gdn = isinstance(m, GatedDeltaNet)
+        wanted = [(fl.ADD_RMS, m.input_projection().weight, 1), (fl.ADD_RMS, layer.mlp.gate_up_proj.weight, 1),
+                  (fl.SILU_MUL, layer.mlp.down_proj.weight, 1),
+                  (fl.GATED_RMS, m.out_proj.weight, m.head_v_dim) if gdn else (fl.SIGMOID_MUL, m.o_proj.weight, m.head_dim)]
+        for pro, w, head in wanted:
+            cfg = fl.pick_config(pro, *w.shape)
+            assert cfg is not None, (preset, int(pro), tuple(w.shape))
+            assert cfg["BK"] % head == 0, (preset, int(pro), cfg)

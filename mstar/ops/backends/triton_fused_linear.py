@@ -1,14 +1,13 @@
-"""The fused-linear ops (ops/fused_linear.py) for a decode step's few rows: one Triton kernel
-that computes the elementwise op as it loads the product's input, instead of a kernel that
-writes that input and cuBLAS reading it back.
+"""The fused-linear ops (ops/fused_linear.py) for a one-row decode step: one Triton kernel that
+computes the elementwise op as it loads the product's input, instead of a kernel that writes that
+input and cuBLAS reading it back.
 
-A decode step of a small batch is a chain of products a few microseconds each, with a norm or an
+A decode step of one row is a chain of products a few microseconds each, with a norm or an
 activation of ~1-2 us between every two; most of those kernels' time is their launch and ramp,
-not their bytes. Here a program owns BN output features and loops over K: it loads its
-[BN, BK] weight tile and the matching [rows, BK] slice of the inputs, applies the op to the slice
-in float32, rounds it to the weight dtype (as the op's own output is rounded), and accumulates
-the product in float32 by FMA, a program per row (a GEMV; the rows of one weight tile run side by
-side, so the tile's re-reads come from L2).
+not their bytes. Here a program owns one row and BN output features and loops over K: it loads
+its [BN, BK] weight tile and the matching BK inputs, applies the op to them in float32, rounds
+the result to the weight dtype (as the op's own output is rounded), and accumulates the product
+in float32 by FMA (a GEMV).
 
 The residual add + RMSNorm needs the sum of squares of the whole row before any of it is
 normalised; the kernel multiplies the unnormalised (x + residual) * w and scales the row's sums
@@ -98,10 +97,14 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K
 # block shape differs by up to 1.5x from one product to the next, and a poor one loses to the composed
 # pair, so a product whose shape is not here runs composed.
 TUNED = {
-    (1, 8224, 1024): (4, 256, 4), (1, 5120, 1024): (4, 1024, 4), (1, 7168, 1024): (4, 256, 4),
-    (2, 1024, 3584): (8, 1024, 8), (3, 1024, 2048): (4, 1024, 8), (4, 1024, 2048): (8, 1024, 8),
-    (1, 12352, 2560): (4, 512, 2), (1, 10240, 2560): (4, 512, 2), (1, 18432, 2560): (8, 512, 2),
-    (2, 2560, 9216): (8, 1024, 8), (3, 2560, 4096): (4, 1024, 4), (4, 2560, 4096): (8, 1024, 8),
+    # Qwen3.5-0.8B: GDN in_proj, attention qkv, gate_up; down; GDN out_proj; o_proj
+    (int(ADD_RMS), 8224, 1024): (4, 256, 4), (int(ADD_RMS), 5120, 1024): (4, 1024, 4),
+    (int(ADD_RMS), 7168, 1024): (4, 256, 4), (int(SILU_MUL), 1024, 3584): (8, 1024, 8),
+    (int(GATED_RMS), 1024, 2048): (4, 1024, 8), (int(SIGMOID_MUL), 1024, 2048): (8, 1024, 8),
+    # Qwen3.5-4B: the same products
+    (int(ADD_RMS), 12352, 2560): (4, 512, 2), (int(ADD_RMS), 10240, 2560): (4, 512, 2),
+    (int(ADD_RMS), 18432, 2560): (8, 512, 2), (int(SILU_MUL), 2560, 9216): (8, 1024, 8),
+    (int(GATED_RMS), 2560, 4096): (4, 1024, 4), (int(SIGMOID_MUL), 2560, 4096): (8, 1024, 8),
 }
 
 
@@ -118,14 +121,14 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
            norm_weight: torch.Tensor | None, weight: torch.Tensor, eps: float = 0.0, zero_centered: bool = False,
            group: int = 1, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, the new residual for ADD_RMS else None) of the kernel over x [M, K] (unit feature stride)
-    and weight [N, K] (contiguous), a program per row and BN output features; `config` overrides
-    pick_config (the probe's sweep)."""
+    and weight [N, K] (contiguous), a program per row and BN output features (several rows: each
+    weight tile's programs side by side, its re-reads from L2); `config` overrides pick_config (the
+    probe's sweep)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if pro == ADD_RMS else y
     cfg = config or pick_config(pro, n, k)
-    # rows fastest: the programs reading one weight tile run together (its re-reads hit L2)
     _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
         x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
         aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
@@ -165,7 +168,7 @@ def composed_sigmoid_mul_linear(x, gate, weight):
     return F.linear(ops.sigmoid_mul(x, gate).reshape(x.shape[0], -1), weight)
 
 
-# --- the kernel up to MAX_ROWS rows, composed above or where the layout does not fit it --------
+# --- the kernel up to MAX_ROWS rows at a tuned shape, composed elsewhere -----------------------
 def add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight):
     if not (_fits(ADD_RMS, x, weight) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1):
         return composed_add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight)
