@@ -81,6 +81,15 @@ KNOBS: tuple[Knob, ...] = (
          "elsewhere FlashInfer's choice), 'fa2' or 'fa3' (one start with fa3 puts its module in the cache). "
          "Fixed per process at its first prefill.",
          choices=("auto", "fa2", "fa3")),
+    Knob("MSTAR_FUSED_LINEAR_SHAPES", "choice", "tuned",
+         "Where the fused-linear ops (a norm, gate or activation folded into the product after it) run their "
+         "Triton kernel in a one-row decode step on CUDA. tuned: at the product shapes whose block shapes "
+         "were measured (Qwen3.5 0.8B and 4B; notes/llm-decode-step.md), the composed pair (the elementwise "
+         "op's kernel, then cuBLAS) elsewhere. any: at every shape, the others with 8 output features and K "
+         "blocks of 512 a program; for checking a model's products through the kernel (the trained-checkpoint "
+         "gate's small model has none in the table) before tuning them with probe_fused_linear. The tuned "
+         "shapes run the same kernel either way.",
+         choices=("tuned", "any")),
     Knob("MSTAR_VERIFY", "bool", False,
          "Run the reference beside the selected backend on live inputs and record the largest "
          "difference per op (`mstar.ops.verify_report()`). Slow; for checking kernels."),

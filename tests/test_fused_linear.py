@@ -92,13 +92,12 @@ def test_fused_linear_kernel_in_the_interpreter():
 
 
 _MODEL_SCRIPT = r"""
-import json, tempfile, torch
+import json, os, tempfile, torch
+os.environ["MSTAR_FUSED_LINEAR_SHAPES"] = "any"  # the tiny model's products are not in the tuned table
 from mstar.ops import registry
 from mstar.ops.backends import triton_fused_linear as fl
 from mstar.models import load_model
 from hf_models import make_hf_model, qwen3_5_config, check_prefill_then_decode
-# every product shape through the kernel (the tiny model's are not in the tuned table), on the CPU
-fl.pick_config = lambda pro, n, k: dict(BN=8, BK=128, num_warps=4, num_stages=1)
 calls = {}
 launch = fl.launch
 def counted(pro, *args, **kw):
@@ -117,8 +116,9 @@ print(json.dumps(calls))
 
 
 def test_tiny_qwen3_5_decodes_through_the_kernel():
-    """One sequence (one row a decode step): every decode step's norms, gates and activations go
-    through the kernel, and the logits stay within the model tests' 1e-4 of transformers'."""
+    """One sequence (one row a decode step), MSTAR_FUSED_LINEAR_SHAPES=any: every decode step's norms,
+    gates and activations go through the kernel (its CPU registration here stands in for CUDA), and
+    the logits stay within the model tests' 1e-4 of transformers'."""
     calls = run_interpreted(_MODEL_SCRIPT)
     # 3 decode steps x 6 layers: input norm (layer 0's has no residual yet), post norm, down,
     # the gated norm (4 GDN layers), the sigmoid gate (2 attention layers)
@@ -165,3 +165,15 @@ def test_every_one_row_product_of_the_presets_is_tuned(preset):
             cfg = fl.pick_config(pro, *w.shape)
             assert cfg is not None, (preset, int(pro), tuple(w.shape))
             assert cfg["BK"] % head == 0, (preset, int(pro), cfg)
+
+
+def test_untuned_shapes_run_composed_unless_the_knob_says_any():
+    from mstar import knobs
+    from mstar.ops.backends import triton_fused_linear as fl
+    assert knobs.value("MSTAR_FUSED_LINEAR_SHAPES") == "tuned"
+    assert fl.pick_config(fl.ADD_RMS, 640, 128) is None
+    tuned = fl.pick_config(fl.ADD_RMS, 8224, 1024)
+    with knobs.override(MSTAR_FUSED_LINEAR_SHAPES="any"):
+        bn, bk, warps = fl.UNTUNED
+        assert fl.pick_config(fl.ADD_RMS, 640, 128) == dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
+        assert fl.pick_config(fl.ADD_RMS, 8224, 1024) == tuned  # the tuned shapes' blocks either way

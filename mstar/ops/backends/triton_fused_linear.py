@@ -15,8 +15,8 @@ by 1 / rms at the end (one pass over x, the rounding applied to (x + residual) *
 the normalised value). Gated DeltaNet's output norm is per head: a K block holds whole heads, so
 it normalises each head as the block is loaded, rounding as the op does.
 
-Above MAX_ROWS rows, and at product shapes that TUNED does not list, the ops run composed: the
-elementwise op's kernel, then cuBLAS. At two or more rows the kernel's re-reads of each weight
+Above MAX_ROWS rows, and at product shapes that TUNED does not list (unless
+MSTAR_FUSED_LINEAR_SHAPES=any), the ops run composed: the elementwise op's kernel, then cuBLAS. At two or more rows the kernel's re-reads of each weight
 tile, and at 4B its prologue, cost more than the launch it saves (probe_fused_linear).
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mstar import ops
+from mstar import knobs, ops
 from mstar.ops.registry import register_backend
 
 MAX_ROWS = 1
@@ -108,11 +108,17 @@ TUNED = {
 }
 
 
+UNTUNED = (8, 512, 4)  # MSTAR_FUSED_LINEAR_SHAPES=any at a shape TUNED does not hold
+
+
 def pick_config(pro: int, n: int, k: int) -> dict | None:
-    """Launch parameters for a product of n output features over k, or None (not tuned: composed)."""
+    """Launch parameters for a product of n output features over k, or None (composed): TUNED's,
+    else (MSTAR_FUSED_LINEAR_SHAPES=any) UNTUNED."""
     tuned = TUNED.get((int(pro), n, k))
     if tuned is None:
-        return None
+        if knobs.value("MSTAR_FUSED_LINEAR_SHAPES") != "any":
+            return None
+        tuned = UNTUNED
     bn, bk, warps = tuned
     return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
 
