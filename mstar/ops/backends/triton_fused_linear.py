@@ -33,7 +33,7 @@ from mstar.ops.registry import register_backend
 MAX_ROWS = 1
 
 # prologues (the op folded into the product's loads); a jitted kernel reads module globals only as constexpr
-PLAIN, ADD_RMS, SILU_MUL, GATED_RMS, SIGMOID_MUL = (tl.constexpr(i) for i in range(5))
+ADD_RMS, SILU_MUL, GATED_RMS, SIGMOID_MUL = (tl.constexpr(i) for i in range(1, 5))
 
 
 @triton.jit
@@ -78,12 +78,10 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K
             z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
             xk = nw * normed * (z / (1.0 + tl.exp(-z)))
-        elif PRO == SIGMOID_MUL:
+        else:  # SIGMOID_MUL
             g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
             sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
             xk = x * sig
-        else:
-            xk = x
         xk = xk.to(w_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
@@ -142,18 +140,19 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
     return y, (res_out if pro == ADD_RMS else None)
 
 
-def _fits(pro: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The kernel takes x's rows with this weight: few rows, a tuned shape, one dtype."""
-    return (0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and x.dtype == weight.dtype
-            and pick_config(pro, weight.shape[0], weight.shape[1]) is not None)
+def _config(pro: int, x: torch.Tensor, weight: torch.Tensor) -> dict | None:
+    """The kernel's launch parameters for x's rows with this weight, or None (composed): few rows, one
+    dtype, a contiguous weight, a shape pick_config has blocks for."""
+    if not (0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and x.dtype == weight.dtype):
+        return None
+    return pick_config(pro, weight.shape[0], weight.shape[1])
 
 
 def _flat_heads(x: torch.Tensor) -> torch.Tensor | None:
     """x [T, H, D] as [T, H * D] rows with unit stride, or None where no view holds it."""
     if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
         return None
-    return x.view(x.shape[0], -1) if x.is_contiguous() else x.as_strided((x.shape[0], x.shape[1] * x.shape[2]),
-                                                                          (x.stride(0), 1))
+    return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
 # --- composed: the elementwise op's selected backend, then cuBLAS (the path without this kernel) ----
@@ -176,26 +175,29 @@ def composed_sigmoid_mul_linear(x, gate, weight):
 
 # --- the kernel up to MAX_ROWS rows at a tuned shape, composed elsewhere -----------------------
 def add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight):
-    if not (_fits(ADD_RMS, x, weight) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1):
+    cfg = _config(ADD_RMS, x, weight)
+    if cfg is None or x.dim() != 2 or x.stride(-1) != 1 or residual.stride(-1) != 1:
         return composed_add_rms_norm_linear(x, residual, norm_weight, eps, zero_centered, weight)
-    return launch(ADD_RMS, x, residual, residual.stride(0), 0, norm_weight, weight, eps, zero_centered)
+    return launch(ADD_RMS, x, residual, residual.stride(0), 0, norm_weight, weight, eps, zero_centered, config=cfg)
 
 
 def silu_mul_linear(x, weight):
     k = weight.shape[1]
-    if not (_fits(SILU_MUL, x, weight) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] == 2 * k):
+    cfg = _config(SILU_MUL, x, weight)
+    if cfg is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] != 2 * k:
         return composed_silu_mul_linear(x, weight)
-    return launch(SILU_MUL, x[:, :k], x[:, k:], x.stride(0), 0, None, weight)[0]
+    return launch(SILU_MUL, x[:, :k], x[:, k:], x.stride(0), 0, None, weight, config=cfg)[0]
 
 
 def _per_head(pro: int, x, aux, norm_weight, eps, weight):
     """GATED_RMS / SIGMOID_MUL over x, aux [T, H, D]; None where the kernel cannot take them."""
-    if not (_fits(pro, x, weight) and x.dim() == 3 and aux.dim() == 3 and aux.stride(-1) == 1):
+    cfg = _config(pro, x, weight)
+    if cfg is None or x.dim() != 3 or aux.dim() != 3 or aux.stride(-1) != 1:
         return None
     flat, d = _flat_heads(x), x.shape[-1]
-    if flat is None or d & (d - 1) or pick_config(pro, *weight.shape)["BK"] % d:  # a K block holds whole heads
+    if flat is None or d & (d - 1) or cfg["BK"] % d:  # a K block holds whole heads
         return None
-    return launch(pro, flat, aux, aux.stride(0), aux.stride(1), norm_weight, weight, eps, group=d)[0]
+    return launch(pro, flat, aux, aux.stride(0), aux.stride(1), norm_weight, weight, eps, group=d, config=cfg)[0]
 
 
 def gated_rms_norm_linear(x, z, norm_weight, eps, weight):
