@@ -235,6 +235,56 @@ def test_fused_linear_ops(rows):
         _check("sigmoid_mul_linear", b, (r(rows, 16, 256, dtype=bf), qg[..., 256:], wo), 1e-2)
 
 
+def test_pdl_chain_in_a_graph_is_the_chain_without_it():
+    """Eight 0.8B MLPs at one row, each product reading the one before (add + RMSNorm + gate_up,
+    then SiLU-and-mul + down), and a conv update and a GDN decode step between them, captured in
+    a CUDA graph with programmatic dependent launch: the replay's outputs equal, bit for bit, the
+    chain launched eagerly without it. A kernel that read its input before its wait would see an
+    earlier replay's (or garbage) values."""
+    from mstar.ops.backends import pdl, triton_conv1d, triton_gdn
+    from mstar.ops.backends import triton_fused_linear as fl
+    if not pdl._supported(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    bf, layers = torch.bfloat16, 8
+    gate_up = [r(7168, 1024, dtype=bf) * 1024 ** -0.5 for _ in range(layers)]
+    down = [r(1024, 3584, dtype=bf) * 3584 ** -0.5 for _ in range(layers)]
+    nw = r(1024, dtype=bf) * 0.1
+    conv_w, conv_pool = r(1024, 4, dtype=bf) * 0.5, r(4, 1024, 3, dtype=bf)
+    gdn_pool, slot = r(4, 8, 128, 128, dtype=bf) * 0.1, torch.tensor([2], device=DEV, dtype=torch.int32)
+    x0, res0 = r(1, 1024, dtype=bf), r(1, 1024, dtype=bf)
+
+    def chain(x, res):
+        for i in range(layers):
+            h, res = fl.add_rms_norm_linear(x, res, nw, 1e-6, True, gate_up[i])
+            x = fl.silu_mul_linear(h, down[i])
+            x = triton_conv1d.causal_conv1d_update(x, conv_w, None, conv_pool, slot, True)
+            q, k, v = x[:, :256].view(1, 2, 128), x[:, 256:512].view(1, 2, 128), x[:, :1024].view(1, 8, 128)
+            g, beta = -torch.ones(1, 8, device=DEV) * 0.1, torch.full((1, 8), 0.5, device=DEV, dtype=bf)
+            x = x + triton_gdn.gdn_decode(q.repeat_interleave(4, 1), k.repeat_interleave(4, 1), v, g, beta,
+                                          gdn_pool, slot, 128 ** -0.5).reshape(1, 1024)
+        return x, res
+
+    pools = conv_pool.clone(), gdn_pool.clone()
+    with knobs.override(MSTAR_PDL=False):
+        want = chain(x0, res0)
+        want_pools = conv_pool.clone(), gdn_pool.clone()
+    conv_pool.copy_(pools[0])
+    gdn_pool.copy_(pools[1])
+    with knobs.override(MSTAR_PDL=True):
+        assert pdl.launch_options(x0)["PDL"]
+        chain(x0, res0)  # compile outside the capture
+        conv_pool.copy_(pools[0])
+        gdn_pool.copy_(pools[1])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x0, res0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got + (conv_pool, gdn_pool), want + want_pools):
+        assert torch.equal(a, b)
+
+
 def test_verify_mode_on_gpu():
     x, w = r(64, 1024, dtype=torch.bfloat16), r(1024, dtype=torch.bfloat16)
     ops.reset_verify_report()

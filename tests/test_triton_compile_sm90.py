@@ -115,8 +115,49 @@ def test_fused_linear_kernel_compiles_for_sm90(pro, group):
     sig = {n: "*bf16" for n in ("x_ptr", "aux_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "y_ptr")}
     sig.update({n: "i32" for n in ("N", "K", "x_stride", "aux_stride", "aux_group_stride", "res_out_stride",
                                    "y_stride")})
-    sig.update({"eps": "fp32", **{n: "constexpr" for n in ("PRO", "ZERO_CENTERED", "G", "BN", "BK")}})
+    sig.update({"eps": "fp32", **{n: "constexpr" for n in ("PRO", "ZERO_CENTERED", "G", "BN", "BK", "PF", "PDL")}})
     src = ASTSource(fn=fl._fused_linear_kernel, signature=sig, constexprs={
-        "PRO": pro, "ZERO_CENTERED": True, "G": group, "BN": 8, "BK": max(512, group)})
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        "PRO": pro, "ZERO_CENTERED": True, "G": group, "BN": 8, "BK": max(512, group), "PF": 1024, "PDL": True})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
     assert len(out.asm["cubin"]) > 0
+    _assert_weights_load_before_the_wait(out.asm["ptx"])
+
+
+def _assert_weights_load_before_the_wait(ptx: str):
+    """Programmatic dependent launch: the program signals its dependents, loads (its first weight
+    block) and only then waits for the kernel before it; nothing is stored before the wait."""
+    launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert launch < wait and ptx.count("griddepcontrol.wait") == 1
+    assert "ld.global" in ptx[launch:wait] and "st.global" not in ptx[:wait]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gdn_decode_and_conv_update_wait_first_under_pdl(fused):
+    """Their first reads are of what the kernel before them writes: the wait comes before any load."""
+    from mstar.ops.backends import triton_conv1d
+    ptr = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr") if not fused else ("mixed_ptr", "a_ptr", "b_ptr",
+                                                                              "alog_ptr", "dtb_ptr")
+    sig = {**{n: "*bf16" for n in ptr}, "state_ptr": "*bf16", "slot_ptr": "*i32", "o_ptr": "*bf16", "scale": "fp32"}
+    consts = {"DK": 128, "DV": 128, "BV": 32, "PDL": True}
+    if fused:
+        sig.update({"mixed_stride": "i64", "a_stride": "i64", "b_stride": "i64", "eps": "fp32"})
+        consts.update({"HK": 16, "HV": 16})
+    else:
+        consts["H"] = 16
+    sig.update({n: "constexpr" for n in consts})
+    kernel = triton_gdn._gdn_decode_fused_kernel if fused else triton_gdn._gdn_decode_kernel
+    sig = {n: sig[n] for n in kernel.arg_names}
+    kernels = [(kernel, sig, consts)]
+    conv_sig = {**{n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "state_ptr", "out_ptr")}, "slot_ptr": "*i32",
+                "C": "i32", "x_stride": "i64"}
+    conv_consts = {"K": 4, "HAS_BIAS": False, "SILU": True, "BLOCK": 256, "PDL": True}
+    conv_sig.update({n: "constexpr" for n in conv_consts})
+    kernels.append((triton_conv1d._conv_update_kernel,
+                    {n: conv_sig[n] for n in triton_conv1d._conv_update_kernel.arg_names}, conv_consts))
+    for fn, signature, constexprs in kernels:
+        out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
+        ptx = out.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("griddepcontrol.launch_dependents") < wait and "ld.global" not in ptx[:wait]

@@ -5,9 +5,10 @@ one CUDA GPU, random bf16 weights:
     python -m mstar.bench.tools.probe_fused_linear [--rows 1 8] [--model 0.8b 4b]
 
 Per product and row count: the composed pair, cuBLAS alone on the op's output, the kernel with
-the configuration the backend takes (its TUNED table), and the best of a sweep of configurations (output features
-and K a block, warps), microseconds a launch inside a CUDA graph, cycling over enough
-copies of the weight to overrun L2. Each configuration's output is checked against the composed
+the configuration the backend takes (its TUNED table; on sm_90 also without programmatic dependent
+launch, which lets each launch load its first weights while the one before it ends), and the best of a
+sweep of configurations (output features and K a block, warps), microseconds a launch inside a CUDA
+graph, cycling over enough copies of the weight to overrun L2. Each configuration's output is checked against the composed
 pair's first. Results: notes/llm-decode-step.md.
 """
 
@@ -18,8 +19,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mstar import ops
+from mstar import knobs, ops
 from mstar.bench.tools.graph_timer import graph_us
+from mstar.ops.backends import pdl
 from mstar.ops.backends import triton_fused_linear as fl
 
 # label: (prologue, N out, K in, heads, head dim) -- heads only for the per-head prologues
@@ -88,6 +90,10 @@ def main() -> None:
                 if picked is not None:
                     t_pick = graph_us(lambda w: fused(w, picked), weights)
                     line += f"  fused tuned {t_pick:7.2f} ({t_comp / t_pick:.2f}x)"
+                    if pdl.enabled(weights[0]):
+                        with knobs.override(MSTAR_PDL=False):
+                            t_plain = graph_us(lambda w: fused(w, picked), weights)
+                        line += f"  without PDL {t_plain:7.2f}"
                 if not args.no_sweep:
                     best, best_cfg, worst_err = float("inf"), None, 0.0
                     for cfg in sweep(max(d, 1)):

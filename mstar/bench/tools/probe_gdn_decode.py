@@ -45,7 +45,7 @@ def _launch(args, hk: int, bv: int, warps: int):
     def run(_):
         triton_gdn._gdn_decode_fused_kernel[(rows, hv, triton.cdiv(DV, bv))](
             mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, pool, slots, o, DK ** -0.5,
-            1e-6, HK=hk, HV=hv, DK=DK, DV=DV, BV=bv, num_warps=warps)
+            1e-6, HK=hk, HV=hv, DK=DK, DV=DV, BV=bv, num_warps=warps, PDL=False)
     return run, o
 
 

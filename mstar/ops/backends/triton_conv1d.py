@@ -19,14 +19,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mstar.ops import conv1d
+from mstar.ops.backends import pdl
 from mstar.ops.registry import register_backend
 
 
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, out_ptr, C, x_stride,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr):
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < C
@@ -62,7 +68,8 @@ def causal_conv1d_update(x, weight, bias, conv_state_pool, slots, silu):
     block = 256
     _conv_update_kernel[(b, triton.cdiv(c, block))](x, weight, bias if bias is not None else weight,
                                                     conv_state_pool, slots, out, c, x.stride(0), K=k,
-                                                    HAS_BIAS=bias is not None, SILU=silu, BLOCK=block)
+                                                    HAS_BIAS=bias is not None, SILU=silu, BLOCK=block,
+                                                    **pdl.launch_options(x))
     return out
 
 

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mstar import knobs, ops
+from mstar.ops.backends import pdl
 from mstar.ops.registry import register_backend
 
 MAX_ROWS = 1
@@ -37,56 +39,79 @@ ADD_RMS, SILU_MUL, GATED_RMS, SIGMOID_MUL = (tl.constexpr(i) for i in range(1, 5
 
 
 @triton.jit
+def _prologue(x_row, aux_row, nw_ptr, res_out_row, w_ptr, rk, K, aux_group_stride, eps, write_res,
+              PRO: tl.constexpr, ZERO_CENTERED: tl.constexpr, G: tl.constexpr):
+    """The op's output at the K positions rk of one row, float32 rounded to the weight dtype, and the
+    squares whose sum is the RMSNorm's (ADD_RMS; another prologue's second value is unused)."""
+    k_mask = rk < K
+    x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+    sq = x
+    if PRO == ADD_RMS:
+        h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_row.dtype.element_ty)
+        if write_res:  # the new residual, as the op rounds it
+            tl.store(res_out_row + rk, h, mask=k_mask)
+        hf = h.to(tl.float32)
+        sq = hf * hf
+        nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            nw = nw + 1.0
+        xk = hf * nw
+    elif PRO == SILU_MUL:
+        u = tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+        xk = x / (1.0 + tl.exp(-x)) * u
+    elif PRO == GATED_RMS:
+        heads = tl.reshape(x, (rk.shape[0] // G, G))
+        rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / G + eps)
+        normed = tl.reshape(heads * rstd[:, None], (rk.shape[0],))
+        normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as the op
+        z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+        xk = nw * normed * (z / (1.0 + tl.exp(-z)))
+    else:  # SIGMOID_MUL
+        g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
+        xk = x * sig
+    return xk.to(w_ptr.dtype.element_ty).to(tl.float32), sq
+
+
+@triton.jit
 def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, x_stride, aux_stride,
                          aux_group_stride, res_out_stride, y_stride, eps, PRO: tl.constexpr,
-                         ZERO_CENTERED: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         ZERO_CENTERED: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         PF: tl.constexpr, PDL: tl.constexpr):
     """y[row, block] = prologue(x, aux)[row] @ w[block].T for the program's row and BN output features.
 
     aux: ADD_RMS the residual; SILU_MUL the up half (x the gate half); GATED_RMS the gate z and
     SIGMOID_MUL the attention gate, both read per head (group of G features) through their head
-    stride. nw: the norm's weight (per feature, or per group position for GATED_RMS)."""
+    stride. nw: the norm's weight (per feature, or per group position for GATED_RMS).
+
+    The first PF inputs' weights are loaded before anything else, and under PDL before the wait for
+    the kernel that writes x: the program's first weight bytes are in flight while that kernel ends."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    x_row, aux_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    sumsq = tl.zeros((BK,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    rk0 = tl.arange(0, PF)
+    w0 = tl.load(w_rows + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+    x_row, aux_row, res_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride, res_out_ptr + row * res_out_stride
+    xk0, sq0 = _prologue(x_row, aux_row, nw_ptr, res_row, w_ptr, rk0, K, aux_group_stride, eps, pid_n == 0,
+                         PRO, ZERO_CENTERED, G)
+    acc = tl.sum(w0.to(tl.float32) * xk0[None, :], axis=1)
+    sumsq = tl.sum(sq0, axis=0)
+    for k0 in range(PF, K, BK):
         rk = k0 + tl.arange(0, BK)
-        k_mask = rk < K
-        x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
-        if PRO == ADD_RMS:
-            h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-            if pid_n == 0:  # the new residual, as the op rounds it
-                tl.store(res_out_ptr + row * res_out_stride + rk, h, mask=k_mask)
-            hf = h.to(tl.float32)
-            sumsq += hf * hf
-            nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            if ZERO_CENTERED:
-                nw = nw + 1.0
-            xk = hf * nw
-        elif PRO == SILU_MUL:
-            u = tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)
-            xk = x / (1.0 + tl.exp(-x)) * u
-        elif PRO == GATED_RMS:
-            heads = tl.reshape(x, (BK // G, G))
-            rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / G + eps)
-            normed = tl.reshape(heads * rstd[:, None], (BK,))
-            normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as the op
-            z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-            nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-            xk = nw * normed * (z / (1.0 + tl.exp(-z)))
-        else:  # SIGMOID_MUL
-            g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-            sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
-            xk = x * sig
-        xk = xk.to(w_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xk, sq = _prologue(x_row, aux_row, nw_ptr, res_row, w_ptr, rk, K, aux_group_stride, eps, pid_n == 0,
+                           PRO, ZERO_CENTERED, G)
+        sumsq += tl.sum(sq, axis=0)
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
     if PRO == ADD_RMS:
-        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+        acc = acc * tl.rsqrt(sumsq / K + eps)
     tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -118,7 +143,16 @@ def pick_config(pro: int, n: int, k: int) -> dict | None:
             return None
         tuned = UNTUNED
     bn, bk, warps = tuned
-    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
+    return dict(BN=bn, BK=bk, PF=prefetch_width(k, bn), num_warps=warps, num_stages=3)
+
+
+PREFETCH_ELEMENTS = 8192  # weight elements a program loads before its first input: 16 KB of bf16
+
+
+def prefetch_width(k: int, bn: int) -> int:
+    """The K width of a program's first weight block (a power of two: whole heads for the per-head
+    prologues), loaded before the program reads any input."""
+    return min(1 << (k.bit_length() - 1), max(PREFETCH_ELEMENTS // bn, 16))
 
 
 def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_group_stride: int,
@@ -133,10 +167,12 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
     y = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if pro == ADD_RMS else y
     cfg = config or pick_config(pro, n, k)
+    if "PF" not in cfg:
+        cfg = {**cfg, "PF": prefetch_width(k, cfg["BN"])}
     _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
         x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
         aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
-        G=group, **cfg)
+        G=group, **cfg, **pdl.launch_options(x))
     return y, (res_out if pro == ADD_RMS else None)
 
 
@@ -195,7 +231,7 @@ def _per_head(pro: int, x, aux, norm_weight, eps, weight):
     if cfg is None or x.dim() != 3 or aux.dim() != 3 or aux.stride(-1) != 1:
         return None
     flat, d = _flat_heads(x), x.shape[-1]
-    if flat is None or d & (d - 1) or cfg["BK"] % d:  # a K block holds whole heads
+    if flat is None or d & (d - 1) or cfg["BK"] % d or cfg["PF"] % d:  # a K block holds whole heads
         return None
     return launch(pro, flat, aux, aux.stride(0), aux.stride(1), norm_weight, weight, eps, group=d, config=cfg)[0]
 

@@ -15,14 +15,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mstar.ops import gdn
+from mstar.ops.backends import pdl
 from mstar.ops.registry import register_backend
 
 
 @triton.jit
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr, scale,
-                       H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                       H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -76,14 +81,18 @@ def gdn_decode(q, k, v, g, beta, state_pool, slots, scale):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     bv, warps = _launch_config(dk, b * h, state_pool)
     _gdn_decode_kernel[(b, h, triton.cdiv(dv, bv))](q, k, v, g.contiguous(), beta.contiguous(), state_pool, slots,
-                                                    o, scale, H=h, DK=dk, DV=dv, BV=bv, num_warps=warps)
+                                                    o, scale, H=h, DK=dk, DV=dv, BV=bv, num_warps=warps,
+                                                    **pdl.launch_options(q))
     return o
 
 
 @triton.jit
 def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_stride, alog_ptr, dtb_ptr,
                              state_ptr, slot_ptr, o_ptr, scale, eps, HK: tl.constexpr, HV: tl.constexpr,
-                             DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                             DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     # what split_qkv + gdn_gates + the decode step compute, in one program per (row, value
     # head, Dv block); the rounding points of the composed path are kept (q, k normalised in
     # fp32 then stored in the input dtype; beta = sigmoid(b) in b's dtype)
@@ -123,7 +132,7 @@ def gdn_decode_fused(mixed, a, b, A_log, dt_bias, state_pool, slots, num_k_heads
     bv, warps = _launch_config(dk, rows * hv, state_pool)
     _gdn_decode_fused_kernel[(rows, hv, triton.cdiv(dv, bv))](
         mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state_pool, slots, o, scale, eps,
-        HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=warps)
+        HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=bv, num_warps=warps, **pdl.launch_options(mixed))
     return o
 
 
