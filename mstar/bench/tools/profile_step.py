@@ -1,8 +1,9 @@
 """Where one engine step's time goes, kernel by kernel (torch.profiler).
 
 Builds an engine on a preset with random weights, warms it up, then profiles (a) one prefill
-step of --rows prompts of --prompt-len tokens and (b) --decode-steps decode steps, and prints
-for each the step's wall time and the top ops by device time and by host time. Answers
+step of --rows prompts of --prompt-len tokens and (b) --decode-steps decode steps (timed once
+without the profiler first), and prints for each the step's wall time and the top ops by device
+time and by host time. Answers
 "why does a 2048-token prefill step take 450 ms" without guessing.
 
     python -m mstar.bench.tools.profile_step --model qwen3.5-0.8b --rows 8 --prompt-len 256 [--decode-graphs off]
@@ -136,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model, random_weights=True, max_num_seqs=max(args.rows, 8),
-              max_model_len=args.prompt_len + args.decode_steps + 64, decode_graphs=args.decode_graphs,
+              max_model_len=args.prompt_len + 2 * args.decode_steps + 64, decode_graphs=args.decode_graphs,
               async_output=args.async_output, tp=args.tp)
     core = llm.engine
     vocab = core.vocab_size
@@ -150,7 +151,7 @@ def main() -> None:
     if args.timed:
         _timed_prefill(core, args, vocab)
 
-    for r in _requests(args.rows, args.prompt_len, vocab, "prof", args.decode_steps + 2):
+    for r in _requests(args.rows, args.prompt_len, vocab, "prof", 2 * args.decode_steps + 2):
         core.add_request(r)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     dev_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -167,6 +168,12 @@ def main() -> None:
         print(prof.key_averages(group_by_input_shape=True).table(sort_by=dev_key, row_limit=args.top,
                                                                  max_name_column_width=40, max_shapes_column_width=90))
 
+    t = time.perf_counter()  # the same steps without the profiler first: its tracing moves the wall time
+    for _ in range(args.decode_steps):
+        core.step()
+    _sync()
+    print(f"== {args.decode_steps} decode steps at batch {args.rows}, not profiled: "
+          f"{(time.perf_counter() - t) / args.decode_steps * 1e3:.3f} ms per step")
     with profile(activities=acts) as prof:
         t = time.perf_counter()
         for _ in range(args.decode_steps):
