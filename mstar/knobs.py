@@ -93,8 +93,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MSTAR_PDL", "bool", True,
          "Programmatic dependent launch (Hopper and newer) for the Triton kernels of a one-row decode chain: "
          "the fused-linear products, the conv update and the GDN decode step. Such a kernel is launched while "
-         "the kernel before it on the stream finishes; it loads what no kernel writes (a product's weights) "
-         "and waits for the earlier kernel's outputs before reading them or writing anything. Off: each "
+         "the kernel before it on the stream finishes; it asks L2 for what no kernel writes (a product's "
+         "first weights) and waits for the earlier kernel's outputs before reading them or writing anything. Off: each "
          "kernel starts after the one before it ends. Outputs are identical either way."),
     Knob("MSTAR_VERIFY", "bool", False,
          "Run the reference beside the selected backend on live inputs and record the largest "

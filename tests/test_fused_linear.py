@@ -164,7 +164,7 @@ def test_every_one_row_product_of_the_presets_is_tuned(preset):
         for pro, w, head in wanted:
             cfg = fl.pick_config(pro, *w.shape)
             assert cfg is not None, (preset, int(pro), tuple(w.shape))
-            assert cfg["BK"] % head == 0 and cfg["PF"] % head == 0, (preset, int(pro), cfg)
+            assert cfg["BK"] % head == 0, (preset, int(pro), cfg)
 
 
 def test_untuned_shapes_run_composed_unless_the_knob_says_any():

@@ -115,21 +115,21 @@ def test_fused_linear_kernel_compiles_for_sm90(pro, group):
     sig = {n: "*bf16" for n in ("x_ptr", "aux_ptr", "nw_ptr", "res_out_ptr", "w_ptr", "y_ptr")}
     sig.update({n: "i32" for n in ("N", "K", "x_stride", "aux_stride", "aux_group_stride", "res_out_stride",
                                    "y_stride")})
-    sig.update({"eps": "fp32", **{n: "constexpr" for n in ("PRO", "ZERO_CENTERED", "G", "BN", "BK", "PF", "PDL")}})
-    src = ASTSource(fn=fl._fused_linear_kernel, signature=sig, constexprs={
-        "PRO": pro, "ZERO_CENTERED": True, "G": group, "BN": 8, "BK": max(512, group), "PF": 1024, "PDL": True})
+    consts = {"PRO": pro, "ZERO_CENTERED": True, "G": group, "BN": 8, "BK": max(512, group), "PF": 1024, "LINE": 64,
+              "PDL": True}
+    sig.update({"eps": "fp32", **{n: "constexpr" for n in consts}})
+    src = ASTSource(fn=fl._fused_linear_kernel, signature=sig, constexprs=consts)
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
     assert len(out.asm["cubin"]) > 0
-    _assert_weights_load_before_the_wait(out.asm["ptx"])
-
-
-def _assert_weights_load_before_the_wait(ptx: str):
-    """Programmatic dependent launch: the program signals its dependents, loads (its first weight
-    block) and only then waits for the kernel before it; nothing is stored before the wait."""
+    # programmatic dependent launch: the program signals its dependents, asks L2 for its first weights
+    # (8 rows x 1024 inputs of bf16: 128 lines over 128 threads) and only then waits for the kernel
+    # before it; it loads and stores nothing before the wait
+    ptx = out.asm["ptx"]
     launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
     assert launch < wait and ptx.count("griddepcontrol.wait") == 1
-    assert "ld.global" in ptx[launch:wait] and "st.global" not in ptx[:wait]
+    assert ptx[launch:wait].count("prefetch.global.L2") == 1
+    assert "ld.global" not in ptx[:wait] and "st.global" not in ptx[:wait]
 
 
 @pytest.mark.parametrize("fused", [False, True])

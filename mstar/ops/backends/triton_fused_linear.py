@@ -15,6 +15,10 @@ by 1 / rms at the end (one pass over x, the rounding applied to (x + residual) *
 the normalised value). Gated DeltaNet's output norm is per head: a K block holds whole heads, so
 it normalises each head as the block is loaded, rounding as the op does.
 
+On Hopper and newer the kernel is launched with programmatic dependent launch (ops/backends/pdl.py,
+MSTAR_PDL): a program prefetches the first weights it will read into L2, then waits for the kernel
+that writes its input, so a product's first weight bytes are on chip when the op before it ends.
+
 Above MAX_ROWS rows, and at product shapes that TUNED does not list (unless
 MSTAR_FUSED_LINEAR_SHAPES=any), the ops run composed: the elementwise op's kernel, then cuBLAS. At two or more rows the kernel's re-reads of each weight
 tile, and at 4B its prologue, cost more than the launch it saves (probe_fused_linear).
@@ -39,79 +43,73 @@ ADD_RMS, SILU_MUL, GATED_RMS, SIGMOID_MUL = (tl.constexpr(i) for i in range(1, 5
 
 
 @triton.jit
-def _prologue(x_row, aux_row, nw_ptr, res_out_row, w_ptr, rk, K, aux_group_stride, eps, write_res,
-              PRO: tl.constexpr, ZERO_CENTERED: tl.constexpr, G: tl.constexpr):
-    """The op's output at the K positions rk of one row, float32 rounded to the weight dtype, and the
-    squares whose sum is the RMSNorm's (ADD_RMS; another prologue's second value is unused)."""
-    k_mask = rk < K
-    x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
-    sq = x
-    if PRO == ADD_RMS:
-        h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_row.dtype.element_ty)
-        if write_res:  # the new residual, as the op rounds it
-            tl.store(res_out_row + rk, h, mask=k_mask)
-        hf = h.to(tl.float32)
-        sq = hf * hf
-        nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            nw = nw + 1.0
-        xk = hf * nw
-    elif PRO == SILU_MUL:
-        u = tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)
-        xk = x / (1.0 + tl.exp(-x)) * u
-    elif PRO == GATED_RMS:
-        heads = tl.reshape(x, (rk.shape[0] // G, G))
-        rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / G + eps)
-        normed = tl.reshape(heads * rstd[:, None], (rk.shape[0],))
-        normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as the op
-        z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-        nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-        xk = nw * normed * (z / (1.0 + tl.exp(-z)))
-    else:  # SIGMOID_MUL
-        g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
-        xk = x * sig
-    return xk.to(w_ptr.dtype.element_ty).to(tl.float32), sq
+def _prefetch_l2(ptrs):
+    """A prefetch into L2 of the cache line at each pointer (nothing returned to the program)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
 def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, x_stride, aux_stride,
                          aux_group_stride, res_out_stride, y_stride, eps, PRO: tl.constexpr,
                          ZERO_CENTERED: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         PF: tl.constexpr, PDL: tl.constexpr):
+                         PF: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """y[row, block] = prologue(x, aux)[row] @ w[block].T for the program's row and BN output features.
 
     aux: ADD_RMS the residual; SILU_MUL the up half (x the gate half); GATED_RMS the gate z and
     SIGMOID_MUL the attention gate, both read per head (group of G features) through their head
     stride. nw: the norm's weight (per feature, or per group position for GATED_RMS).
 
-    The first PF inputs' weights are loaded before anything else, and under PDL before the wait for
-    the kernel that writes x: the program's first weight bytes are in flight while that kernel ends."""
-    if PDL:
-        gdc_launch_dependents()
+    Under PDL the program first asks L2 for the weights of its first PF inputs (a prefetch a
+    LINE-element cache line; no kernel writes them), then waits for the kernel that writes x: its
+    first weight bytes come on chip while that kernel ends."""
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    rk0 = tl.arange(0, PF)
-    w0 = tl.load(w_rows + rk0[None, :], mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
     if PDL:
+        gdc_launch_dependents()
+        lines = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + (tl.arange(0, PF // LINE) * LINE)[None, :]
+        _prefetch_l2(w_ptr + lines)
         gdc_wait()
-    x_row, aux_row, res_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride, res_out_ptr + row * res_out_stride
-    xk0, sq0 = _prologue(x_row, aux_row, nw_ptr, res_row, w_ptr, rk0, K, aux_group_stride, eps, pid_n == 0,
-                         PRO, ZERO_CENTERED, G)
-    acc = tl.sum(w0.to(tl.float32) * xk0[None, :], axis=1)
-    sumsq = tl.sum(sq0, axis=0)
-    for k0 in range(PF, K, BK):
+    x_row, aux_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    sumsq = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        xk, sq = _prologue(x_row, aux_row, nw_ptr, res_row, w_ptr, rk, K, aux_group_stride, eps, pid_n == 0,
-                           PRO, ZERO_CENTERED, G)
-        sumsq += tl.sum(sq, axis=0)
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        k_mask = rk < K
+        x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if PRO == ADD_RMS:
+            h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            if pid_n == 0:  # the new residual, as the op rounds it
+                tl.store(res_out_ptr + row * res_out_stride + rk, h, mask=k_mask)
+            hf = h.to(tl.float32)
+            sumsq += hf * hf
+            nw = tl.load(nw_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                nw = nw + 1.0
+            xk = hf * nw
+        elif PRO == SILU_MUL:
+            u = tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)
+            xk = x / (1.0 + tl.exp(-x)) * u
+        elif PRO == GATED_RMS:
+            heads = tl.reshape(x, (BK // G, G))
+            rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / G + eps)
+            normed = tl.reshape(heads * rstd[:, None], (BK,))
+            normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded before the weight, as the op
+            z = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            xk = nw * normed * (z / (1.0 + tl.exp(-z)))
+        else:  # SIGMOID_MUL
+            g = tl.load(aux_row + (rk // G) * aux_group_stride + rk % G, mask=k_mask, other=0.0).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)  # torch rounds it first
+            xk = x * sig
+        xk = xk.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
     if PRO == ADD_RMS:
-        acc = acc * tl.rsqrt(sumsq / K + eps)
+        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
     tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -146,13 +144,12 @@ def pick_config(pro: int, n: int, k: int) -> dict | None:
     return dict(BN=bn, BK=bk, PF=prefetch_width(k, bn), num_warps=warps, num_stages=3)
 
 
-PREFETCH_ELEMENTS = 8192  # weight elements a program loads before its first input: 16 KB of bf16
+PREFETCH_ELEMENTS = 8192  # weight elements a program asks L2 for before its wait under PDL: 16 KB of bf16
 
 
 def prefetch_width(k: int, bn: int) -> int:
-    """The K width of a program's first weight block (a power of two: whole heads for the per-head
-    prologues), loaded before the program reads any input."""
-    return min(1 << (k.bit_length() - 1), max(PREFETCH_ELEMENTS // bn, 16))
+    """The K width (a power of two) of the weights a program prefetches before its wait under PDL."""
+    return min(1 << (k.bit_length() - 1), max(PREFETCH_ELEMENTS // bn, 64))
 
 
 def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_group_stride: int,
@@ -169,6 +166,7 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
     cfg = config or pick_config(pro, n, k)
     if "PF" not in cfg:
         cfg = {**cfg, "PF": prefetch_width(k, cfg["BN"])}
+    cfg = {**cfg, "LINE": min(128 // weight.element_size(), cfg["PF"])}  # a prefetch a 128-byte line
     _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
         x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
         aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
@@ -231,7 +229,7 @@ def _per_head(pro: int, x, aux, norm_weight, eps, weight):
     if cfg is None or x.dim() != 3 or aux.dim() != 3 or aux.stride(-1) != 1:
         return None
     flat, d = _flat_heads(x), x.shape[-1]
-    if flat is None or d & (d - 1) or cfg["BK"] % d or cfg["PF"] % d:  # a K block holds whole heads
+    if flat is None or d & (d - 1) or cfg["BK"] % d:  # a K block holds whole heads
         return None
     return launch(pro, flat, aux, aux.stride(0), aux.stride(1), norm_weight, weight, eps, group=d, config=cfg)[0]
 
