@@ -1,6 +1,6 @@
 """The adain_act op (mstar/ops/adain.py): the reference against a float64 computation of its
-definition, its Triton kernel (Triton's CPU interpreter; on a GPU with -m gpu) against the
-reference, and Kokoro's blocks built on it against the separate modules they replace (the
+definition, its Triton kernel against that float64 computation (Triton's CPU interpreter) and
+against the reference (on a GPU with -m gpu), and Kokoro's blocks built on it against the separate modules they replace (the
 norm, the AdaIN affine, the activation and the mask one after another)."""
 
 from __future__ import annotations
@@ -84,17 +84,17 @@ def test_kokoro_blocks_equal_the_separate_modules():
 _SCRIPT = r"""
 import json
 import torch
-from test_ops_adain import make_case
-from mstar.ops.adain import _adain_act_ref
+from test_ops_adain import exact, make_case
 from mstar.ops.backends import triton_adain
 out = []
 for seed, kw in ((11, dict(snake=True)), (12, dict(snake=False)), (13, dict(B=2, C=3, T=2500)),
                  (14, dict(B=1, C=2, T=7))):
     case = make_case(seed, **kw)
-    ref = _adain_act_ref(*case, 0.2, 1e-5)
+    # against float64: torch's own float32 sin on the CPU varies by up to 5e-4 here between runs
+    ref = exact(*case, 0.2, 1e-5)
     got = triton_adain.adain_act(*case, 0.2, 1e-5)
     zero = bool((got[case[1].expand_as(got) == 0] == 0).all())
-    out.append([seed, (got - ref).abs().max().item(), zero])
+    out.append([seed, (got.double() - ref).abs().max().item(), zero])
 print(json.dumps(out))
 """
 
