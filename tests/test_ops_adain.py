@@ -1,7 +1,7 @@
 """The adain_act op (mstar/ops/adain.py): the reference against a float64 computation of its
 definition, its Triton kernel against that float64 computation (Triton's CPU interpreter) and
-against the reference (on a GPU with -m gpu), and Kokoro's blocks built on it against the separate modules they replace (the
-norm, the AdaIN affine, the activation and the mask one after another)."""
+against the reference (on a GPU with -m gpu), and Kokoro's blocks built on it against the separate
+modules they replace (the norm, the AdaIN affine, the activation and the mask one after another)."""
 
 from __future__ import annotations
 
