@@ -122,19 +122,20 @@ def test_fused_linear_kernel_compiles_for_sm90(pro, group):
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
     assert len(out.asm["cubin"]) > 0
-    # programmatic dependent launch: the program signals its dependents, asks L2 for its first weights
-    # (8 rows x 1024 inputs of bf16: 128 lines over 128 threads) and only then waits for the kernel
-    # before it; it loads and stores nothing before the wait
+    # programmatic dependent launch: the program asks L2 for its first weights (8 rows x 1024 inputs
+    # of bf16: 128 lines over 128 threads) and only then waits for the kernel before it; it loads and
+    # stores nothing before the wait, and lets its dependents launch once its sums are done
     ptx = out.asm["ptx"]
-    launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    assert launch < wait and ptx.count("griddepcontrol.wait") == 1
-    assert ptx[launch:wait].count("prefetch.global.L2") == 1
+    wait, launch = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx[:wait].count("prefetch.global.L2") == 1
     assert "ld.global" not in ptx[:wait] and "st.global" not in ptx[:wait]
+    assert "ld.global" not in ptx[launch:] and ptx[launch:].count("st.global") == 1
 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_gdn_decode_and_conv_update_wait_first_under_pdl(fused):
-    """Their first reads are of what the kernel before them writes: the wait comes before any load."""
+    """Their first reads are of what the kernel before them writes: the wait comes before any load;
+    their dependents may launch once all is read and computed, before the output's store."""
     from mstar.ops.backends import triton_conv1d
     ptr = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr") if not fused else ("mixed_ptr", "a_ptr", "b_ptr",
                                                                               "alog_ptr", "dtb_ptr")
@@ -159,5 +160,5 @@ def test_gdn_decode_and_conv_update_wait_first_under_pdl(fused):
         out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                              target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True})
         ptx = out.asm["ptx"]
-        wait = ptx.index("griddepcontrol.wait")
-        assert ptx.index("griddepcontrol.launch_dependents") < wait and "ld.global" not in ptx[:wait]
+        wait, launch = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert "ld.global" not in ptx[:wait] and wait < launch

@@ -31,7 +31,6 @@ def _conv_update_kernel(x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, out_ptr, C, x_
                         K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
-        gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,6 +51,8 @@ def _conv_update_kernel(x_ptr, w_ptr, b_ptr, state_ptr, slot_ptr, out_ptr, C, x_
     tl.store(base + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
+    if PDL:
+        gdc_launch_dependents()
     tl.store(out_ptr + row * C + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -69,7 +69,6 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if PDL:
-        gdc_launch_dependents()
         lines = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + (tl.arange(0, PF // LINE) * LINE)[None, :]
         _prefetch_l2(w_ptr + lines)
         gdc_wait()
@@ -110,6 +109,8 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
     if PRO == ADD_RMS:
         acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    if PDL:  # the next kernel may start loading its weights while this one stores and ends
+        gdc_launch_dependents()
     tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 

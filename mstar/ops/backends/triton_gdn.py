@@ -26,7 +26,6 @@ from mstar.ops.registry import register_backend
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr, scale,
                        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
-        gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -42,6 +41,8 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     g = tl.load(g_ptr + row).to(tl.float32)
     beta = tl.load(beta_ptr + row).to(tl.float32)
     o = _state_step(state_ptr, slot, h, H, DK, DV, kk, vv, vmask, q, k, v, g, beta)
+    if PDL:
+        gdc_launch_dependents()
     tl.store(o_ptr + row * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
 
 
@@ -91,7 +92,6 @@ def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_
                              state_ptr, slot_ptr, o_ptr, scale, eps, HK: tl.constexpr, HV: tl.constexpr,
                              DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # ops/backends/pdl.py: nothing read or written before the wait
-        gdc_launch_dependents()
         gdc_wait()
     # what split_qkv + gdn_gates + the decode step compute, in one program per (row, value
     # head, Dv block); the rounding points of the composed path are kept (q, k normalised in
@@ -116,6 +116,8 @@ def _gdn_decode_fused_kernel(mixed_ptr, mixed_stride, a_ptr, a_stride, b_ptr, b_
     bb = tl.load(b_ptr + r * b_stride + h).to(tl.float32)
     beta = (1.0 / (1.0 + tl.exp(-bb))).to(b_ptr.dtype.element_ty).to(tl.float32)
     o = _state_step(state_ptr, slot, h, HV, DK, DV, kk, vv, vmask, q, k, v, g, beta)
+    if PDL:
+        gdc_launch_dependents()
     tl.store(o_ptr + (r * HV + h) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=vmask)
 
 
