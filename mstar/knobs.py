@@ -90,12 +90,13 @@ KNOBS: tuple[Knob, ...] = (
          "gate's small model has none in the table) before tuning them with probe_fused_linear. The tuned "
          "shapes run the same kernel either way.",
          choices=("tuned", "any")),
-    Knob("MSTAR_PDL", "bool", True,
+    Knob("MSTAR_PDL", "bool", False,
          "Programmatic dependent launch (Hopper and newer) for the Triton kernels of a one-row decode chain: "
          "the fused-linear products, the conv update and the GDN decode step. Such a kernel is launched while "
          "the kernel before it on the stream finishes; it asks L2 for what no kernel writes (a product's "
          "first weights) and waits for the earlier kernel's outputs before reading them or writing anything. Off: each "
-         "kernel starts after the one before it ends. Outputs are identical either way."),
+         "kernel starts after the one before it ends. Outputs are identical either way. Served one-row "
+         "decode was slower with it on an H100 (notes/llm-decode-step.md)."),
     Knob("MSTAR_VERIFY", "bool", False,
          "Run the reference beside the selected backend on live inputs and record the largest "
          "difference per op (`mstar.ops.verify_report()`). Slow; for checking kernels."),

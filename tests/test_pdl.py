@@ -16,16 +16,17 @@ def _cuda_tensor():
     return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
 
 
-def test_on_by_default_for_cuda_tensors_on_sm90(monkeypatch):
+def test_off_by_default_on_for_cuda_tensors_on_sm90(monkeypatch):
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
-    assert knobs.value("MSTAR_PDL") is True
-    assert pdl.launch_options(_cuda_tensor()) == {"PDL": True, "launch_pdl": True}
-
-
-def test_off_by_knob_below_sm90_and_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(pdl, "_supported", lambda index: True)
-    with knobs.override(MSTAR_PDL=False):
-        assert pdl.launch_options(_cuda_tensor()) == {"PDL": False}
-    assert pdl.launch_options(torch.zeros(1)) == {"PDL": False}  # Triton's interpreter has no PDL
-    monkeypatch.setattr(pdl, "_supported", lambda index: False)
+    assert knobs.value("MSTAR_PDL") is False
     assert pdl.launch_options(_cuda_tensor()) == {"PDL": False}
+    with knobs.override(MSTAR_PDL=True):
+        assert pdl.launch_options(_cuda_tensor()) == {"PDL": True, "launch_pdl": True}
+
+
+def test_off_below_sm90_and_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    with knobs.override(MSTAR_PDL=True):
+        assert pdl.launch_options(torch.zeros(1)) == {"PDL": False}  # Triton's interpreter has no PDL
+        monkeypatch.setattr(pdl, "_supported", lambda index: False)
+        assert pdl.launch_options(_cuda_tensor()) == {"PDL": False}

@@ -5,8 +5,8 @@ one CUDA GPU, random bf16 weights:
     python -m mstar.bench.tools.probe_fused_linear [--rows 1 8] [--model 0.8b 4b]
 
 Per product and row count: the composed pair, cuBLAS alone on the op's output, the kernel with
-the configuration the backend takes (its TUNED table; on sm_90 also without programmatic dependent
-launch, which lets each launch load its first weights while the one before it ends), and the best of a
+the configuration the backend takes (its TUNED table; on sm_90 also with programmatic dependent
+launch, MSTAR_PDL, which lets each launch prefetch its first weights while the one before it ends), and the best of a
 sweep of configurations (output features and K a block, warps), microseconds a launch inside a CUDA
 graph, cycling over enough copies of the weight to overrun L2. Each configuration's output is checked against the composed
 pair's first. Results: notes/llm-decode-step.md.
@@ -88,12 +88,12 @@ def main() -> None:
                 picked = fl.pick_config(pro, n, k)
                 line = f"{model} {label:14s} M={m}: composed {t_comp:7.2f}  cuBLAS alone {t_blas:7.2f}"
                 if picked is not None:
-                    t_pick = graph_us(lambda w: fused(w, picked), weights)
+                    with knobs.override(MSTAR_PDL=False):
+                        t_pick = graph_us(lambda w: fused(w, picked), weights)
                     line += f"  fused tuned {t_pick:7.2f} ({t_comp / t_pick:.2f}x)"
-                    if pdl.enabled(weights[0]):
-                        with knobs.override(MSTAR_PDL=False):
-                            t_plain = graph_us(lambda w: fused(w, picked), weights)
-                        line += f"  without PDL {t_plain:7.2f}"
+                    with knobs.override(MSTAR_PDL=True):
+                        if pdl.enabled(weights[0]):
+                            line += f"  with PDL {graph_us(lambda w: fused(w, picked), weights):7.2f}"
                 if not args.no_sweep:
                     best, best_cfg, worst_err = float("inf"), None, 0.0
                     for cfg in sweep(max(d, 1)):
