@@ -7,9 +7,11 @@ must write nothing (its output buffer may be memory an earlier kernel is still r
 `gdc_wait` the kernel before it has completed and its writes are visible; that kernel waited for
 its own predecessor the same way, so every earlier kernel has completed too.
 
-A kernel taking part has a `PDL: tl.constexpr` parameter and, when it is set, signals its
-dependents first and waits before its first dependent access; `launch_options` gives the launch's
-keyword arguments. In a CUDA graph the launches become programmatic edges. Triton's interpreter has
+A kernel taking part has a `PDL: tl.constexpr` parameter and, when it is set, waits before its
+first access to what earlier kernels write, and lets its dependents launch once it has read and
+computed everything, before its output's store: signalled at a program's start instead, a chain of
+small kernels launched several ahead, and their early fetches competed with the running kernel's
+(notes/llm-decode-step.md). `launch_options` gives the launch's keyword arguments. In a CUDA graph the launches become programmatic edges. Triton's interpreter has
 no such instructions: CPU tensors launch with PDL off.
 """
 

@@ -15,13 +15,15 @@ by 1 / rms at the end (one pass over x, the rounding applied to (x + residual) *
 the normalised value). Gated DeltaNet's output norm is per head: a K block holds whole heads, so
 it normalises each head as the block is loaded, rounding as the op does.
 
-On Hopper and newer the kernel is launched with programmatic dependent launch (ops/backends/pdl.py,
-MSTAR_PDL): a program prefetches the first weights it will read into L2, then waits for the kernel
-that writes its input, so a product's first weight bytes are on chip when the op before it ends.
+With MSTAR_PDL on (Hopper and newer; off by default: notes/llm-decode-step.md) the kernel is
+launched with programmatic dependent launch (ops/backends/pdl.py): a program prefetches the first
+weights it will read into L2, then waits for the kernel that writes its input, so that a product's
+first weight bytes are on chip when the op before it ends.
 
 Above MAX_ROWS rows, and at product shapes that TUNED does not list (unless
-MSTAR_FUSED_LINEAR_SHAPES=any), the ops run composed: the elementwise op's kernel, then cuBLAS. At two or more rows the kernel's re-reads of each weight
-tile, and at 4B its prologue, cost more than the launch it saves (probe_fused_linear).
+MSTAR_FUSED_LINEAR_SHAPES=any), the ops run composed: the elementwise op's kernel, then cuBLAS. At
+two or more rows the kernel's re-reads of each weight tile, and at 4B its prologue, cost more than
+the launch it saves (probe_fused_linear).
 """
 
 from __future__ import annotations
