@@ -175,5 +175,5 @@ def test_untuned_shapes_run_composed_unless_the_knob_says_any():
     tuned = fl.pick_config(fl.ADD_RMS, 8224, 1024)
     with knobs.override(MSTAR_FUSED_LINEAR_SHAPES="any"):
         bn, bk, warps = fl.UNTUNED
-        assert fl.pick_config(fl.ADD_RMS, 640, 128) == dict(BN=bn, BK=bk, PF=128, num_warps=warps, num_stages=3)
+        assert fl.pick_config(fl.ADD_RMS, 640, 128) == dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
         assert fl.pick_config(fl.ADD_RMS, 8224, 1024) == tuned  # the tuned shapes' blocks either way

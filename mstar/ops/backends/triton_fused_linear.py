@@ -144,7 +144,7 @@ def pick_config(pro: int, n: int, k: int) -> dict | None:
             return None
         tuned = UNTUNED
     bn, bk, warps = tuned
-    return dict(BN=bn, BK=bk, PF=prefetch_width(k, bn), num_warps=warps, num_stages=3)
+    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
 
 
 PREFETCH_ELEMENTS = 8192  # weight elements a program asks L2 for before its wait under PDL: 16 KB of bf16
@@ -167,13 +167,12 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
     y = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if pro == ADD_RMS else y
     cfg = config or pick_config(pro, n, k)
-    if "PF" not in cfg:
-        cfg = {**cfg, "PF": prefetch_width(k, cfg["BN"])}
-    cfg = {**cfg, "LINE": min(128 // weight.element_size(), cfg["PF"])}  # a prefetch a 128-byte line
+    launch_pdl = pdl.launch_options(x)
+    pf = prefetch_width(k, cfg["BN"]) if launch_pdl["PDL"] else 1  # read under PDL only: one compile for all K
     _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
         x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
         aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
-        G=group, **cfg, **pdl.launch_options(x))
+        G=group, PF=pf, LINE=min(128 // weight.element_size(), pf), **cfg, **launch_pdl)
     return y, (res_out if pro == ADD_RMS else None)
 
 
