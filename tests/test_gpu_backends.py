@@ -137,6 +137,47 @@ def test_paged_attention(hq, hkv, d):
                (r(sum(qo), hq, d, dtype=dtype), kc, vc, qo_indptr, indptr, idx, last, d ** -0.5), 2e-2)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 256), (16, 4, 256), (32, 8, 128), (20, 20, 64)])
+def test_small_batch_decode_attention_in_a_graph(hq, hkv, d):
+    """The Triton decode kernels as the runtime's decode graphs run them: a plan per batch size,
+    the graph captured over one page table and replayed over another (new lengths, new pages),
+    against the reference; a batch past MAX_ROWS gets FlashInfer's plan and runs there."""
+    from mstar.ops import attention
+    from mstar.ops.backends import triton_paged_decode as tpd
+    if registry.get("paged_attention_decode").selected(DEV) != "triton":
+        pytest.skip("MSTAR_BACKENDS selects another paged_attention_decode backend")
+    bf, page, scale = torch.bfloat16, 16, d ** -0.5
+    for batch in (1, 3, tpd.MAX_ROWS):
+        plan = attention.decode_graph_plan(DEV, batch=batch, max_pages=batch * 64, num_q_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, page_size=page, dtype=bf, scale=scale)
+        assert isinstance(plan, tpd.TritonDecodePlan)
+        tables = [[1 + 37 * i for i in range(batch)], [700 - 90 * i for i in range(batch)]]
+        kc, vc, _, _, _ = _paged([64 * page] * batch, page, hkv, d, bf)
+        q = r(batch, hq, d, dtype=bf)
+
+        def load(lens):
+            _, _, indptr, idx, last = _paged(lens, page, hkv, d, bf)
+            plan.plan(indptr.cpu(), idx, last.cpu())
+            q.copy_(r(batch, hq, d, dtype=bf))
+            return plan.indptr, idx, plan.last_page_len
+
+        load(tables[0])
+        ops.paged_attention_decode(q, kc, vc, plan.indptr, plan.indices, plan.last_page_len, scale)  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.paged_attention_decode(q, kc, vc, plan.indptr, plan.indices, plan.last_page_len, scale)
+        for lens in tables + tables[::-1]:
+            indptr, idx, last = load(lens)
+            graph.replay()
+            want = attention.paged_attention_decode.backends["reference"].fn(q, kc, vc, indptr, idx, last, scale)
+            err = (out.float() - want.float()).norm() / want.float().norm()
+            assert err < 1e-2, (batch, lens, err)
+    big = attention.decode_graph_plan(DEV, batch=tpd.MAX_ROWS + 1, max_pages=64, num_q_heads=hq, num_kv_heads=hkv,
+                                      head_dim=d, page_size=page, dtype=bf, scale=scale)
+    assert not isinstance(big, tpd.TritonDecodePlan)
+
+
 def _gdn_inputs(t, h, dk, dv, dtype):
     q = torch.nn.functional.normalize(r(t, h, dk), dim=-1).to(dtype)
     k = torch.nn.functional.normalize(r(t, h, dk), dim=-1).to(dtype)

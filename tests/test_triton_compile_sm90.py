@@ -162,3 +162,25 @@ def test_gdn_decode_and_conv_update_wait_first_under_pdl(fused):
         ptx = out.asm["ptx"]
         wait, launch = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         assert "ld.global" not in ptx[:wait] and wait < launch
+
+
+@pytest.mark.parametrize("hq,hkv,block,warps,stages", [(8, 2, 32, 4, 2), (16, 4, 64, 8, 3), (32, 8, 16, 2, 1)])
+def test_paged_decode_kernels_compile_for_sm90(hq, hkv, block, warps, stages):
+    """The small-batch decode attention (head_dim 256): the split kernel's two products run on
+    tensor cores (mma), and the merge kernel compiles for the slices of a one-row step."""
+    from mstar.ops.backends import triton_paged_decode as tpd
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32", "indices_ptr": "*i32",
+           "last_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "page_size": "i32",
+           "qk_scale": "fp32"}
+    sig.update({n: "i64" for n in ("stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp",
+                                   "stride_vt", "stride_vh")})
+    sig.update({n: "constexpr" for n in ("HQ", "GROUP", "GROUP_PAD", "D", "BLOCK_N", "SPLITS")})
+    src = ASTSource(fn=tpd._split_kernel, signature=sig,
+                    constexprs={"HQ": hq, "GROUP": hq // hkv, "GROUP_PAD": 16, "D": 256, "BLOCK_N": block,
+                                "SPLITS": 32})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    assert "mma.sync" in out.asm["ptx"] or "wgmma" in out.asm["ptx"]
+    sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i64",
+           "stride_oh": "i64", "HQ": "constexpr", "D": "constexpr", "SPLITS": "constexpr"}
+    src = ASTSource(fn=tpd._merge_kernel, signature=sig, constexprs={"HQ": hq, "D": 256, "SPLITS": 32})
+    assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]) > 0

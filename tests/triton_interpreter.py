@@ -11,6 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The interpreter keeps bfloat16 as its raw 16 bits (uint16) and its tl.dot multiplies those
+# integers: widen bfloat16 operands to float32 first (exact), as the GPU's product does.
+#
 # The interpreter turns a scalar argument into a one-element array, and its loop bounds call
 # int() on it, which numpy >= 2.3 refuses for arrays of one dimension: a kernel with a
 # `range(0, K, BLOCK)` loop fails under the interpreter alone. Read the element instead.
@@ -21,6 +24,17 @@ def _patch_lang_tensor(tensor, scope):
     _patch_tensor(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 _interp._patch_lang_tensor = _patch_lang_tensor
+
+import numpy as _np
+import triton.language as _tl
+_create_dot = _interp.InterpreterBuilder.create_dot
+def _widened(h):
+    if h.dtype.scalar != _tl.bfloat16:
+        return h
+    return _interp.TensorHandle((h.data.astype(_np.uint32) << 16).view(_np.float32), _tl.float32)
+def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return _create_dot(self, _widened(a), _widened(b), d, input_precision, max_num_imprecise_acc)
+_interp.InterpreterBuilder.create_dot = _create_dot_bf16
 """
 
 

@@ -185,24 +185,30 @@ class StaticDecodePlan:
         self.indices[:n].copy_(indices, non_blocking=True)
 
 
-_DECODE_PLANS: dict[str, type] = {"reference": StaticDecodePlan}
+_DECODE_PLANS: dict[str, Callable[..., StaticDecodePlan]] = {"reference": StaticDecodePlan}
 
 
-def register_decode_plan(backend: str, cls: type) -> None:
-    """A backend of paged_attention_decode that needs its own plan object under CUDA graphs."""
+def register_decode_plan(backend: str, cls: Callable[..., StaticDecodePlan]) -> None:
+    """A backend of paged_attention_decode that needs its own plan object under CUDA graphs: `cls`
+    (a class or a function) is called as cls(device, batch, max_pages, num_q_heads=, num_kv_heads=,
+    head_dim=, page_size=, dtype=, scale=)."""
     _DECODE_PLANS[backend] = cls
+
+
+def decode_plan_class(backend: str) -> Callable[..., StaticDecodePlan]:
+    """What makes the fixed-buffer decode plans of `backend` (StaticDecodePlan by default)."""
+    return _DECODE_PLANS.get(backend, StaticDecodePlan)
 
 
 def decode_graph_plan(device, *, batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, page_size: int, dtype: torch.dtype, scale: float) -> StaticDecodePlan:
     """The fixed-buffer decode plan of the backend selected for `device`."""
     backend = paged_attention_decode.selected(torch.device(device).type)
-    cls = _DECODE_PLANS.get(backend, StaticDecodePlan)
-    return cls(device, batch, max_pages, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    return decode_plan_class(backend)(device, batch, max_pages, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale)
 
 
-__all__ += ["StaticDecodePlan", "decode_graph_plan", "register_decode_plan"]
+__all__ += ["StaticDecodePlan", "decode_graph_plan", "decode_plan_class", "register_decode_plan"]
 
 
 # --- start-up hooks: kernels compiled ahead of the first step --------------------------------

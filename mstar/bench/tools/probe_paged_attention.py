@@ -4,13 +4,16 @@
         [--prefill-rows 1x4096 8x256 32x256]
 
 Decode: `BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)` runs the rows through the
-batch prefill kernel of FlashInfer's fa2 backend; `False` runs its decode kernel on CUDA cores.
+batch prefill kernel of FlashInfer's fa2 backend; `False` runs its decode kernel on CUDA cores;
+"triton" is mstar's split + merge kernels (ops/backends/triton_paged_decode.py) in their default
+configuration, and with --triton-sweep the best of its configurations (keys a block, warps,
+pipeline stages, slices a row) is printed beside it.
 Prefill (causal, prompts from the start): the batch prefill wrapper on its fa2 backend against
 fa3 (Hopper's), which is what "auto" picks on sm90. Each variant is a separately compiled module:
 the first use of each is timed too, which on a host without it is FlashInfer's JIT build.
 
 Times are microseconds of one run inside a CUDA graph of repeated runs, the KV pages of the rows
-spread at random over a cache larger than L2; "max diff" compares the two variants' outputs.
+spread at random over a cache larger than L2; "max diff" is the largest difference between the variants' outputs.
 Results: notes/llm-decode-step.md, notes/startup.md.
 """
 
@@ -55,12 +58,47 @@ def _timed_first(first_use: dict, key: str, fn):
     return out
 
 
-def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict) -> tuple[float, float, float]:
+TRITON_CONFIGS = [(bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)]
+
+
+def probe_triton_decode(pages: Pages, q, indptr, indices, last, sweep: bool) -> tuple[float, torch.Tensor, str]:
+    """(default us, its output, the best configuration of the sweep as text)."""
+    from mstar.ops.backends import triton_paged_decode as tpd
+    batch = q.shape[0]
+    ptr, lst = indptr.to("cuda"), last.to("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = tpd.splits_for(batch, pages.hkv, sms)
+
+    def run(cfg=None, sp=splits):
+        part_o = torch.empty(batch, pages.hq, sp, pages.d, dtype=torch.float32, device="cuda")
+        part_lse = torch.empty(batch, pages.hq, sp, dtype=torch.float32, device="cuda")
+        out = torch.empty_like(q)
+        def fn(_):
+            tpd.decode(q, pages.k, pages.v, ptr, indices, lst, pages.d ** -0.5, part_o, part_lse, sp, out=out,
+                       config=cfg)
+        return graph_us(fn), out
+    us, out = run()
+    best = ""
+    if sweep:
+        timed = []
+        for sp in sorted({max(2, splits // 2), splits, min(64, splits * 2)}):
+            for cfg in TRITON_CONFIGS:
+                try:
+                    timed.append((run(cfg, sp)[0], cfg, sp))
+                except Exception as e:  # a configuration that does not compile (shared memory)
+                    timed.append((float("inf"), cfg, f"{sp} ({type(e).__name__})"))
+        t, cfg, sp = min(timed)
+        best = f"  best {t:.2f} (block {cfg[0]}, {cfg[1]} warps, {cfg[2]} stages, {sp} slices)"
+    return us, out, best
+
+
+def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict, sweep: bool = False,
+                 cuda_cores: bool = True) -> tuple[float, float, float, float, str]:
     import flashinfer
     indptr, indices, last = pages.table(batch, keys)
     q = torch.randn(batch, pages.hq, pages.d, device="cuda", dtype=torch.bfloat16)
     us, outs = [], []
-    for tc in (True, False):
+    for tc in (True, False) if cuda_cores else (True,):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                           "NHD", use_tensor_cores=tc)
 
@@ -70,7 +108,9 @@ def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict) -> tuple[
             return w.run(q, (pages.k, pages.v))
         outs.append(_timed_first(first_use, f"decode, tensor cores {tc}", first))
         us.append(graph_us(lambda _, w=w: w.run(q, (pages.k, pages.v))))
-    return us[0], us[1], (outs[0].float() - outs[1].float()).abs().max().item()
+    tr_us, tr_out, best = probe_triton_decode(pages, q, indptr, indices, last, sweep)
+    diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs[1:] + [tr_out])
+    return us[0], us[1] if cuda_cores else float("nan"), tr_us, diff, best
 
 
 def probe_prefill(pages: Pages, rows: int, tokens: int, first_use: dict) -> tuple[float, float, float]:
@@ -106,6 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, nargs="+", default=[300, 2048], help="Keys per decode row.")
     p.add_argument("--prefill-rows", type=_rows_x_tokens, nargs="*", default=[(1, 4096), (8, 256), (32, 256)],
                    help="Prefill batches as ROWSxTOKENS (none: skip).")
+    p.add_argument("--no-cuda-cores", action="store_true",
+                   help="Skip FlashInfer's CUDA-core decode (its module's build takes ~17 s on a host without it).")
+    p.add_argument("--triton-sweep", action="store_true",
+                   help="Also time every configuration of the Triton decode kernels and print the best.")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cache-gib", type=float, default=2.0, help="Size of the K and V caches together.")
     args = p.parse_args(argv)
@@ -116,13 +160,14 @@ def main(argv=None) -> int:
     for model in args.models:
         pages = Pages(model, args.page_size, args.cache_gib)
         if args.decode_batch:
-            print(f"{model} decode   rows  keys  tensor cores us  CUDA cores us  max diff")
+            print(f"{model} decode   rows  keys  tensor cores us  CUDA cores us  triton us  max diff")
             for keys in args.context:
                 for b in args.decode_batch:
                     if pages.fits(b, keys):
-                        tc, cc, diff = probe_decode(pages, b, keys, first_use)
-                        print(f"{'':>{len(model)}}        {b:>4}  {keys:>4}  {tc:>15.2f}  {cc:>13.2f}  {diff:>8.2e}",
-                              flush=True)
+                        tc, cc, tr, diff, best = probe_decode(pages, b, keys, first_use, args.triton_sweep,
+                                                                 not args.no_cuda_cores)
+                        print(f"{'':>{len(model)}}        {b:>4}  {keys:>4}  {tc:>15.2f}  {cc:>13.2f}  {tr:>9.2f}"
+                              f"  {diff:>8.2e}{best}", flush=True)
         if args.prefill_rows:
             print(f"{model} prefill  rows  tokens  fa2 us  fa3 us  max diff")
             for rows, tokens in args.prefill_rows:

@@ -1,0 +1,196 @@
+"""Paged-KV decode attention for small batches in two Triton kernels (split, then merge).
+
+FlashInfer's decode path runs a few rows through its batch prefill kernel and a merge-states
+kernel, sized for large batches: one row over a few hundred keys takes ~12 us in the two. Here a
+program owns one row, one KV head and one slice of the row's keys: it loads the query heads that
+share the KV head (padded to 16 rows for the tensor-core product), walks its slice in blocks of
+BLOCK_N keys gathered through the page table, and keeps the online softmax in float32. Each
+program stores its slice's output (normalised) and log-sum-exp; the merge kernel weighs the
+slices of each (row, query head). The number of slices is fixed per batch size (so a CUDA graph
+captures one grid) and each row cuts its own keys into that many slices at run time, so one
+graph serves every context length.
+
+The kernels read the page table on the device, so this path runs under the runtime's decode
+graphs, whose plan (`TritonDecodePlan`) holds the index arrays and the slices' scratch in fixed
+buffers. Larger batches, host-side page tables (eager steps) and shapes the kernels do not take
+go to FlashInfer's decode (or the reference where FlashInfer is absent). Measured against
+FlashInfer: notes/llm-decode-step.md.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.ops import attention
+from mstar.ops.registry import register_backend
+
+# Decode batches above this many rows go to FlashInfer (see the module docstring).
+MAX_ROWS = 8
+_HALF = (torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+_MMA_ROWS = 16  # the tensor-core product's smallest row count: the query group is padded to it
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_ptr, part_o_ptr, part_lse_ptr, page_size,
+                  qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                  HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    p0 = tl.load(indptr_ptr + row)
+    p1 = tl.load(indptr_ptr + row + 1)
+    kv_len = (p1 - p0 - 1) * page_size + tl.load(last_ptr + row)
+    # the row's keys in SPLITS slices of whole blocks; the last slices of a short row are empty
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)  # the softmax's sum
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        live = t < end
+        page = tl.load(indices_ptr + p0 + t // page_size, mask=live, other=0).to(tl.int64)
+        off = (t % page_size).to(tl.int64)
+        k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                    mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    # an empty slice stores lse = -inf and zeros: the merge gives it no weight
+    has = denom > 0
+    o = acc / tl.where(has, denom, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, denom, 1.0)), float("-inf"))
+    slot = (row * HQ + heads) * SPLITS + split
+    keep = g < GROUP
+    tl.store(part_o_ptr + slot.to(tl.int64)[:, None] * D + d[None, :], o, mask=keep[:, None])
+    tl.store(part_lse_ptr + slot, lse, mask=keep)
+
+
+@triton.jit
+def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    base = (row * HQ + h) * SPLITS
+    lse = tl.load(part_lse_ptr + base + s)
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # slice 0 always holds keys: the max is finite
+    o = tl.load(part_o_ptr + (base + s).to(tl.int64)[:, None] * D + d[None, :])
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def splits_for(batch: int, num_kv_heads: int, sm_count: int) -> int:
+    """Slices per (row, KV head): enough programs for about one wave of the GPU, a power of two
+    (the merge's arange) from 2 to 32."""
+    want = max(1, sm_count // max(1, batch * num_kv_heads))
+    return max(2, min(32, 1 << int(math.log2(want))))
+
+
+def block_n(head_dim: int) -> int:
+    return 32 if head_dim >= 256 else 64
+
+
+def takes(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether these kernels serve a decode batch of this shape."""
+    group = num_q_heads // max(1, num_kv_heads)
+    return (0 < batch <= MAX_ROWS and dtype in _HALF and num_q_heads % num_kv_heads == 0
+            and group <= _MMA_ROWS and head_dim in (64, 128, 256))
+
+
+def decode(q, k_cache, v_cache, indptr, indices, last_page_len, scale, part_o, part_lse, splits: int,
+           out=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [B, Hq, D] over pages whose index arrays (int32) are on q's device; part_o
+    [B, Hq, splits, D] and part_lse [B, Hq, splits] float32 scratch. -> [B, Hq, D].
+    config: (keys a block, warps, pipeline stages) of the split kernel; None: the default."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged decode: q and the caches need a contiguous head dimension")
+    block, warps, stages = config or (block_n(d), 4, 2)
+    _split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, indptr, indices, last_page_len, part_o, part_lse, k_cache.shape[1],
+        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ=hq, GROUP=group, GROUP_PAD=_MMA_ROWS, D=d, BLOCK_N=block, SPLITS=splits, num_warps=warps,
+        num_stages=stages)
+    _merge_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, SPLITS=splits,
+                           num_warps=4)
+    return out
+
+
+class TritonDecodePlan(attention.StaticDecodePlan):
+    """The fixed buffers of one decode batch size under CUDA graphs: the page table's arrays on
+    the device (copied by plan()) and the slices' scratch. The decode op recognises its indptr
+    by identity."""
+
+    def __init__(self, device, batch: int, max_pages: int, *, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, **_):
+        super().__init__(device, batch, max_pages)
+        device = torch.device(device)
+        self.splits = splits_for(batch, num_kv_heads, torch.cuda.get_device_properties(device).multi_processor_count)
+        self.part_o = torch.empty(batch, num_q_heads, self.splits, head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(batch, num_q_heads, self.splits, dtype=torch.float32, device=device)
+        _graph_plans[id(self.indptr)] = self
+
+
+# id(device indptr) -> its plan; weak, so an engine's plans go with it
+_graph_plans: weakref.WeakValueDictionary[int, TritonDecodePlan] = weakref.WeakValueDictionary()
+
+
+def _other_backend():
+    """Where the batches these kernels do not take go: FlashInfer's decode where it loaded."""
+    backends = attention.paged_attention_decode.backends
+    fi = backends.get("flashinfer")
+    return fi if fi is not None and fi.is_available() else backends["reference"]
+
+
+def decode_graph_plan(device, batch: int, max_pages: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      page_size: int, dtype: torch.dtype, scale: float):
+    """The plan of `batch` rows: this module's where the kernels take the shape, else the other
+    backend's (FlashInfer's recognises its own buffers the same way)."""
+    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+              dtype=dtype, scale=scale)
+    if takes(batch, num_q_heads, num_kv_heads, head_dim, dtype):
+        return TritonDecodePlan(device, batch, max_pages, **kw)
+    other = attention.decode_plan_class(_other_backend().name)
+    return other(device, batch, max_pages, **kw)
+
+
+def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
+    plan = _graph_plans.get(id(kv_indptr))
+    if plan is not None and plan.indptr is kv_indptr and q.shape[0] == plan.batch and q.dtype == k_cache.dtype:
+        return decode(q, k_cache, v_cache, plan.indptr, kv_indices, plan.last_page_len, scale, plan.part_o,
+                      plan.part_lse, plan.splits)
+    return _other_backend().fn(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
+
+
+register_backend(attention.paged_attention_decode, "triton", paged_attention_decode,
+                 available=torch.cuda.is_available, priority=40,
+                 note=f"split + merge kernels for decode graphs of up to {MAX_ROWS} rows; FlashInfer for the rest")
+attention.register_decode_plan("triton", decode_graph_plan)

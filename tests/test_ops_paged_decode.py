@@ -1,0 +1,104 @@
+"""The small-batch paged decode attention kernels (mstar/ops/backends/triton_paged_decode.py) in
+Triton's CPU interpreter (tests/triton_interpreter.py), against a float64 computation of the
+same attention: rows of different lengths (one key, a part page, several hundred keys) over
+shuffled pages, each row's keys cut into more slices than some rows can fill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpreter import run_interpreted
+
+# (q heads, kv heads, head_dim, page size, rows' key counts, slices)
+CASES = [
+    (8, 2, 256, 16, [300, 1, 37], 8),  # Qwen3.5-0.8B's attention
+    (16, 4, 256, 16, [129], 2),  # Qwen3.5-4B's
+    (4, 4, 64, 5, [23, 64, 2], 4),  # one query head per kv head, a page size that is no power of two
+]
+
+
+def paged_case(hq, hkv, d, page, lens, seed):
+    """Random q [B, Hq, D] and K / V caches (bf16), the rows' pages shuffled through the cache."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // page) for n in lens]
+    num_pages = sum(per_row) + 3
+    k = torch.randn(num_pages, page, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(num_pages, page, hkv, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16)
+    indices = torch.randperm(num_pages, generator=g)[:sum(per_row)].to(torch.int32)
+    indptr = torch.tensor([0] + per_row, dtype=torch.int32).cumsum(0).to(torch.int32)
+    last = torch.tensor([n - (p - 1) * page for n, p in zip(lens, per_row)], dtype=torch.int32)
+    return q, k, v, indptr, indices, last
+
+
+def attention_float64(q, k, v, indptr, indices, last, scale):
+    """Each row's query heads over its keys in float64 (GQA: head h reads kv head h // group)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[2]
+    page = k.shape[1]
+    for i in range(q.shape[0]):
+        pages = indices[indptr[i]:indptr[i + 1]].long()
+        n = (len(pages) - 1) * page + int(last[i])
+        ki = k[pages].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        vi = v[pages].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), ki) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vi)
+    return out
+
+
+_SCRIPT = r"""
+import json, torch
+from mstar.ops.backends import triton_paged_decode as tpd
+from test_ops_paged_decode import CASES, attention_float64, paged_case
+out = []
+for n, (hq, hkv, d, page, lens, splits) in enumerate(CASES):
+    q, k, v, indptr, indices, last = paged_case(hq, hkv, d, page, lens, seed=n + int(torch.randint(1 << 20, ())))
+    scale = d ** -0.5
+    part_o = torch.full((len(lens), hq, splits, d), float("nan"))
+    part_lse = torch.full((len(lens), hq, splits), float("nan"))
+    got = tpd.decode(q, k, v, indptr, indices, last, scale, part_o, part_lse, splits)
+    want = attention_float64(q, k, v, indptr, indices, last, scale)
+    err = (got.double() - want).abs() / (want.abs() + 1)
+    out.append({"max_err": err.max().item(), "max_ref": want.abs().max().item(),
+                "one_key_exact": bool(torch.equal(got[lens.index(1)], v[indices[indptr[lens.index(1)]], 0].repeat_interleave(hq // hkv, 0))) if 1 in lens else None})
+print(json.dumps(out))
+"""
+
+
+def test_split_and_merge_kernels_in_the_interpreter():
+    """Within 8e-3 of float64 relative to |out| + 1 (the product of the softmax weights and V
+    takes the weights in bf16, as FlashInfer's does, and the output is bf16: a rounding step is
+    4e-3 of the value); a one-key row returns its V exactly."""
+    got = run_interpreted(_SCRIPT)
+    assert len(got) == len(CASES)
+    for case, row in zip(CASES, got):
+        assert row["max_err"] < 8e-3, (case, row)
+        assert row["max_ref"] > 0.1
+        if row["one_key_exact"] is not None:
+            assert row["one_key_exact"], case
+
+
+def test_the_float64_reference_is_the_ops_reference():
+    """The test's float64 attention agrees with the op's reference backend (float32 scores)."""
+    from mstar.ops import attention
+    q, k, v, indptr, indices, last = paged_case(8, 2, 64, 16, [40, 3], seed=7)
+    ref = attention.paged_attention_decode.backends["reference"].fn(q.float(), k.float(), v.float(), indptr, indices,
+                                                                    last, 0.125)
+    assert torch.allclose(ref.double(), attention_float64(q, k, v, indptr, indices, last, 0.125), atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,hkv,sms,want", [(1, 2, 132, 32), (1, 4, 132, 32), (8, 2, 132, 8), (8, 4, 132, 4),
+                                                (8, 20, 132, 2), (3, 2, 78, 8)])
+def test_slices_per_row_fill_about_one_wave(batch, hkv, sms, want):
+    from mstar.ops.backends import triton_paged_decode as tpd
+    assert tpd.splits_for(batch, hkv, sms) == want
+
+
+def test_which_shapes_the_kernels_take():
+    from mstar.ops.backends import triton_paged_decode as tpd
+    assert tpd.takes(1, 8, 2, 256, torch.bfloat16)
+    assert tpd.takes(tpd.MAX_ROWS, 16, 4, 256, torch.float16)
+    assert not tpd.takes(tpd.MAX_ROWS + 1, 16, 4, 256, torch.bfloat16)  # FlashInfer's
+    assert not tpd.takes(1, 8, 2, 256, torch.float32)
+    assert not tpd.takes(1, 8, 2, 96, torch.bfloat16)  # the arange needs a power of two
+    assert not tpd.takes(1, 64, 2, 128, torch.bfloat16)  # more query heads a kv head than the MMA's rows
