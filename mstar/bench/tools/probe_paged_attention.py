@@ -58,7 +58,7 @@ def _timed_first(first_use: dict, key: str, fn):
     return out
 
 
-TRITON_CONFIGS = [(bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)]
+TRITON_CONFIGS = [(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 3), (64, 8, 3)]
 
 
 def probe_triton_decode(pages: Pages, q, indptr, indices, last, sweep: bool) -> tuple[float, torch.Tensor, str]:
@@ -81,7 +81,7 @@ def probe_triton_decode(pages: Pages, q, indptr, indices, last, sweep: bool) -> 
     best = ""
     if sweep:
         timed = []
-        for sp in sorted({max(2, splits // 2), splits, min(64, splits * 2)}):
+        for sp in sorted({max(2, splits // 4), max(2, splits // 2), splits, min(64, splits * 2)}):
             for cfg in TRITON_CONFIGS:
                 try:
                     timed.append((run(cfg, sp)[0], cfg, sp))
