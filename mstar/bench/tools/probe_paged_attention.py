@@ -93,7 +93,7 @@ def probe_triton_decode(pages: Pages, q, indptr, indices, last, sweep: bool) -> 
 
 
 def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict, sweep: bool = False,
-                 cuda_cores: bool = True) -> tuple[float, float, float, float, str]:
+                 cuda_cores: bool = True) -> tuple[float, float | None, float, float, str]:
     import flashinfer
     indptr, indices, last = pages.table(batch, keys)
     q = torch.randn(batch, pages.hq, pages.d, device="cuda", dtype=torch.bfloat16)
@@ -110,7 +110,7 @@ def probe_decode(pages: Pages, batch: int, keys: int, first_use: dict, sweep: bo
         us.append(graph_us(lambda _, w=w: w.run(q, (pages.k, pages.v))))
     tr_us, tr_out, best = probe_triton_decode(pages, q, indptr, indices, last, sweep)
     diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs[1:] + [tr_out])
-    return us[0], us[1] if cuda_cores else float("nan"), tr_us, diff, best
+    return us[0], us[1] if cuda_cores else None, tr_us, diff, best
 
 
 def probe_prefill(pages: Pages, rows: int, tokens: int, first_use: dict) -> tuple[float, float, float]:
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
                     if pages.fits(b, keys):
                         tc, cc, tr, diff, best = probe_decode(pages, b, keys, first_use, args.triton_sweep,
                                                                  not args.no_cuda_cores)
-                        print(f"{'':>{len(model)}}        {b:>4}  {keys:>4}  {tc:>15.2f}  {cc:>13.2f}  {tr:>9.2f}"
+                        cc = "-" if cc is None else f"{cc:.2f}"
+                        print(f"{'':>{len(model)}}        {b:>4}  {keys:>4}  {tc:>15.2f}  {cc:>13}  {tr:>9.2f}"
                               f"  {diff:>8.2e}{best}", flush=True)
         if args.prefill_rows:
             print(f"{model} prefill  rows  tokens  fa2 us  fa3 us  max diff")
