@@ -87,8 +87,8 @@ def test_the_float64_reference_is_the_ops_reference():
     assert torch.allclose(ref.double(), attention_float64(q, k, v, indptr, indices, last, 0.125), atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,hkv,sms,want", [(1, 2, 132, 32), (1, 4, 132, 32), (8, 2, 132, 32), (8, 4, 132, 16),
-                                                (8, 20, 132, 2), (3, 2, 78, 32), (8, 8, 78, 4)])
+@pytest.mark.parametrize("batch,hkv,sms,want", [(1, 2, 132, 32), (1, 4, 132, 32), (8, 2, 132, 8), (8, 4, 132, 4),
+                                                (8, 20, 132, 2), (3, 2, 78, 8)])
 def test_slices_per_row_fill_about_one_wave(batch, hkv, sms, want):
     from mstar.ops.backends import triton_paged_decode as tpd
     assert tpd.splits_for(batch, hkv, sms) == want

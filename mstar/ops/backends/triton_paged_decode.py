@@ -103,11 +103,9 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, HQ: t
 
 
 def splits_for(batch: int, num_kv_heads: int, sm_count: int) -> int:
-    """Slices per (row, KV head): enough programs for about four a multiprocessor once the rows
-    are long (a slice's keys are read one block after another, so a program has little in
-    flight), a power of two (the merge's arange) from 2 to 32. A short row fills the first
-    slices only: a slice holds at least one block of keys."""
-    want = max(1, 4 * sm_count // max(1, batch * num_kv_heads))
+    """Slices per (row, KV head): enough programs for about one wave of the GPU, a power of two
+    (the merge's arange) from 2 to 32."""
+    want = max(1, sm_count // max(1, batch * num_kv_heads))
     return max(2, min(32, 1 << int(math.log2(want))))
 
 
