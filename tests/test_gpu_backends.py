@@ -142,10 +142,13 @@ def test_small_batch_decode_attention_in_a_graph(hq, hkv, d):
     """The Triton decode kernels as the runtime's decode graphs run them: a plan per batch size,
     the graph captured over one page table and replayed over another (new lengths, new pages),
     against the reference; a batch past MAX_ROWS gets FlashInfer's plan and runs there."""
+    with knobs.override(MSTAR_BACKENDS="paged_attention_decode=triton"):
+        _small_batch_decode_in_a_graph(hq, hkv, d)
+
+
+def _small_batch_decode_in_a_graph(hq, hkv, d):
     from mstar.ops import attention
     from mstar.ops.backends import triton_paged_decode as tpd
-    if registry.get("paged_attention_decode").selected(DEV) != "triton":
-        pytest.skip("MSTAR_BACKENDS selects another paged_attention_decode backend")
     bf, page, scale = torch.bfloat16, 16, d ** -0.5
     for batch in (1, 3, tpd.MAX_ROWS):
         plan = attention.decode_graph_plan(DEV, batch=batch, max_pages=batch * 64, num_q_heads=hq, num_kv_heads=hkv,

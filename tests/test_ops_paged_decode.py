@@ -102,3 +102,17 @@ def test_which_shapes_the_kernels_take():
     assert not tpd.takes(1, 8, 2, 256, torch.float32)
     assert not tpd.takes(1, 8, 2, 96, torch.bfloat16)  # the arange needs a power of two
     assert not tpd.takes(1, 64, 2, 128, torch.bfloat16)  # more query heads a kv head than the MMA's rows
+
+
+def test_batches_it_does_not_take_get_the_other_backends_plan_and_kernel():
+    """Past MAX_ROWS the plan is the other backend's (here, without FlashInfer, the reference's),
+    and a call whose page table is no plan of this module's runs the other backend."""
+    from mstar.ops import attention
+    from mstar.ops.backends import triton_paged_decode as tpd
+    plan = tpd.decode_graph_plan("cpu", tpd.MAX_ROWS + 1, 64, num_q_heads=8, num_kv_heads=2, head_dim=256,
+                                 page_size=16, dtype=torch.bfloat16, scale=0.0625)
+    assert type(plan) is attention.StaticDecodePlan and plan.batch == tpd.MAX_ROWS + 1
+    q, k, v, indptr, indices, last = paged_case(8, 2, 64, 16, [40, 3, 17], seed=int(torch.randint(1 << 20, ())))
+    got = tpd.paged_attention_decode(q, k, v, indptr, indices, last, 0.125)
+    want = attention.paged_attention_decode.backends["reference"].fn(q, k, v, indptr, indices, last, 0.125)
+    assert torch.equal(got, want)

@@ -15,6 +15,10 @@ graphs, whose plan (`TritonDecodePlan`) holds the index arrays and the slices' s
 buffers. Larger batches, host-side page tables (eager steps) and shapes the kernels do not take
 go to FlashInfer's decode (or the reference where FlashInfer is absent). Measured against
 FlashInfer: notes/llm-decode-step.md.
+
+Opt-in (`MSTAR_BACKENDS=paged_attention_decode=triton`): FlashInfer stays the default until the
+correctness gate (`python -m mstar.bench.gate`, greedy tokens and logprobs against transformers
+on a trained checkpoint) has passed with these kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -191,6 +195,6 @@ def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_p
 
 
 register_backend(attention.paged_attention_decode, "triton", paged_attention_decode,
-                 available=torch.cuda.is_available, priority=40,
+                 available=torch.cuda.is_available, priority=20,  # below FlashInfer's: opt-in (docstring)
                  note=f"split + merge kernels for decode graphs of up to {MAX_ROWS} rows; FlashInfer for the rest")
 attention.register_decode_plan("triton", decode_graph_plan)
