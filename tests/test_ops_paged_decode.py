@@ -116,3 +116,12 @@ def test_batches_it_does_not_take_get_the_other_backends_plan_and_kernel():
     got = tpd.paged_attention_decode(q, k, v, indptr, indices, last, 0.125)
     want = attention.paged_attention_decode.backends["reference"].fn(q, k, v, indptr, indices, last, 0.125)
     assert torch.equal(got, want)
+
+
+def test_a_backend_finds_its_graph_plan_by_the_indptr_tensor_itself():
+    from mstar.ops import attention
+    plan = attention.StaticDecodePlan("cpu", 2, 8)
+    attention.remember_graph_plan(plan)
+    assert attention.graph_plan_of(plan.indptr, attention.StaticDecodePlan) is plan
+    assert attention.graph_plan_of(plan.indptr.clone(), attention.StaticDecodePlan) is None  # equal, not the same
+    assert attention.graph_plan_of(plan.indptr, int) is None  # another backend's kind of plan

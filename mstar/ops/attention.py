@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -186,6 +187,21 @@ class StaticDecodePlan:
 
 
 _DECODE_PLANS: dict[str, Callable[..., StaticDecodePlan]] = {"reference": StaticDecodePlan}
+# id(plan.indptr) -> plan, for the backends that recognise their own plan's buffers in a call;
+# weak, so an engine's plans go with it
+_GRAPH_PLANS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def remember_graph_plan(plan: StaticDecodePlan) -> None:
+    """Let `graph_plan_of(plan.indptr)` find this plan (a backend's plan calls it once its
+    buffers exist)."""
+    _GRAPH_PLANS[id(plan.indptr)] = plan
+
+
+def graph_plan_of(indptr: torch.Tensor, kind: type) -> StaticDecodePlan | None:
+    """The remembered plan of type `kind` whose indptr is this very tensor, else None."""
+    plan = _GRAPH_PLANS.get(id(indptr))
+    return plan if isinstance(plan, kind) and plan.indptr is indptr else None
 
 
 def register_decode_plan(backend: str, cls: Callable[..., StaticDecodePlan]) -> None:
@@ -208,7 +224,8 @@ def decode_graph_plan(device, *, batch: int, max_pages: int, num_q_heads: int, n
                head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale)
 
 
-__all__ += ["StaticDecodePlan", "decode_graph_plan", "decode_plan_class", "register_decode_plan"]
+__all__ += ["StaticDecodePlan", "decode_graph_plan", "decode_plan_class", "register_decode_plan",
+            "remember_graph_plan", "graph_plan_of"]
 
 
 # --- start-up hooks: kernels compiled ahead of the first step --------------------------------

@@ -125,7 +125,7 @@ class FlashInferDecodePlan(attention.StaticDecodePlan):
             paged_kv_indptr_buffer=self._buffers[0], paged_kv_indices_buffer=self._buffers[1],
             paged_kv_last_page_len_buffer=self._buffers[2])
         self.indices = self._buffers[1]
-        _graph_plans[id(self.indptr)] = self
+        attention.remember_graph_plan(self)
 
     def plan(self, indptr, indices, last_page_len) -> None:
         """indptr / last_page_len: host int32; indices: int32 on the device (a host tensor
@@ -145,15 +145,11 @@ class FlashInferDecodePlan(attention.StaticDecodePlan):
             phase_clock.plan_ns += time.perf_counter_ns() - t0
 
 
-# id(pinned indptr) -> its plan; weak, so an engine's plans go with it
-_graph_plans: weakref.WeakValueDictionary[int, FlashInferDecodePlan] = weakref.WeakValueDictionary()
-
-
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    gp = _graph_plans.get(id(kv_indptr))
-    if gp is not None and gp.indptr is kv_indptr:  # fixed buffers, planned by the runtime
+    gp = attention.graph_plan_of(kv_indptr, FlashInferDecodePlan)
+    if gp is not None:  # fixed buffers, planned by the runtime
         return gp.wrapper.run(q, (k_cache, v_cache))
     if q.dtype not in _HALF:  # FlashInfer kernels are fp16 / bf16 only
         return attention.paged_attention_decode.backends["reference"].fn(

@@ -23,8 +23,8 @@ on a trained checkpoint) has passed with these kernels on a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
-import weakref
 
 import torch
 import triton
@@ -160,13 +160,10 @@ class TritonDecodePlan(attention.StaticDecodePlan):
         self.splits = splits_for(batch, num_kv_heads, torch.cuda.get_device_properties(device).multi_processor_count)
         self.part_o = torch.empty(batch, num_q_heads, self.splits, head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(batch, num_q_heads, self.splits, dtype=torch.float32, device=device)
-        _graph_plans[id(self.indptr)] = self
+        attention.remember_graph_plan(self)
 
 
-# id(device indptr) -> its plan; weak, so an engine's plans go with it
-_graph_plans: weakref.WeakValueDictionary[int, TritonDecodePlan] = weakref.WeakValueDictionary()
-
-
+@functools.cache
 def _other_backend():
     """Where the batches these kernels do not take go: FlashInfer's decode where it loaded."""
     backends = attention.paged_attention_decode.backends
@@ -187,8 +184,8 @@ def decode_graph_plan(device, batch: int, max_pages: int, *, num_q_heads: int, n
 
 
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
-    plan = _graph_plans.get(id(kv_indptr))
-    if plan is not None and plan.indptr is kv_indptr and q.shape[0] == plan.batch and q.dtype == k_cache.dtype:
+    plan = attention.graph_plan_of(kv_indptr, TritonDecodePlan)
+    if plan is not None and q.shape[0] == plan.batch and q.dtype == k_cache.dtype:
         return decode(q, k_cache, v_cache, plan.indptr, kv_indices, plan.last_page_len, scale, plan.part_o,
                       plan.part_lse, plan.splits)
     return _other_backend().fn(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
