@@ -1,7 +1,8 @@
 """The small-batch paged decode attention kernels (mstar/ops/backends/triton_paged_decode.py) in
 Triton's CPU interpreter (tests/triton_interpreter.py), against a float64 computation of the
 same attention: rows of different lengths (one key, a part page, several hundred keys) over
-shuffled pages, each row's keys cut into more slices than some rows can fill."""
+shuffled pages, each row's keys cut into more slices than some rows can fill. The scratch starts
+as NaN, so a slice the merge should not read would show."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted
 
-# (q heads, kv heads, head_dim, page size, rows' key counts, slices)
+# (q heads, kv heads, head_dim, page size, rows' key counts, slices, fewest keys a slice)
 CASES = [
-    (8, 2, 256, 16, [300, 1, 37], 8),  # Qwen3.5-0.8B's attention
-    (16, 4, 256, 16, [129], 2),  # Qwen3.5-4B's
-    (4, 4, 64, 5, [23, 64, 2], 4),  # one query head per kv head, a page size that is no power of two
+    (8, 2, 256, 16, [300, 1, 37], 8, 32),  # Qwen3.5-0.8B's attention
+    (16, 4, 256, 16, [129], 2, 32),  # Qwen3.5-4B's
+    (4, 4, 64, 5, [23, 64, 2], 4, 64),  # one query head per kv head, a page size that is no power of two
+    (8, 2, 256, 16, [300, 70, 1], 16, 96),  # slices of whole blocks, a row filling 4 of 16, one filling 1
 ]
 
 
@@ -51,12 +53,12 @@ import json, torch
 from mstar.ops.backends import triton_paged_decode as tpd
 from test_ops_paged_decode import CASES, attention_float64, paged_case
 out = []
-for n, (hq, hkv, d, page, lens, splits) in enumerate(CASES):
+for n, (hq, hkv, d, page, lens, splits, min_chunk) in enumerate(CASES):
     q, k, v, indptr, indices, last = paged_case(hq, hkv, d, page, lens, seed=n + int(torch.randint(1 << 20, ())))
     scale = d ** -0.5
     part_o = torch.full((len(lens), hq, splits, d), float("nan"))
     part_lse = torch.full((len(lens), hq, splits), float("nan"))
-    got = tpd.decode(q, k, v, indptr, indices, last, scale, part_o, part_lse, splits)
+    got = tpd.decode(q, k, v, indptr, indices, last, scale, part_o, part_lse, splits, min_chunk=min_chunk)
     want = attention_float64(q, k, v, indptr, indices, last, scale)
     err = (got.double() - want).abs() / (want.abs() + 1)
     out.append({"max_err": err.max().item(), "max_ref": want.abs().max().item(),
@@ -87,11 +89,13 @@ def test_the_float64_reference_is_the_ops_reference():
     assert torch.allclose(ref.double(), attention_float64(q, k, v, indptr, indices, last, 0.125), atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,hkv,sms,want", [(1, 2, 132, 32), (1, 4, 132, 32), (8, 2, 132, 8), (8, 4, 132, 4),
-                                                (8, 20, 132, 2), (3, 2, 78, 8)])
-def test_slices_per_row_fill_about_one_wave(batch, hkv, sms, want):
+@pytest.mark.parametrize("batch,hkv,sms,waves,want", [(1, 2, 132, 1, 64), (1, 4, 132, 1, 32), (8, 2, 132, 1, 8),
+                                                      (8, 4, 132, 1, 4), (8, 4, 132, 4, 16), (8, 20, 132, 1, 2),
+                                                      (3, 2, 78, 1, 8), (1, 2, 132, 4, 64)])
+def test_slices_per_row_fill_about_the_waves_asked(batch, hkv, sms, waves, want):
     from mstar.ops.backends import triton_paged_decode as tpd
-    assert tpd.splits_for(batch, hkv, sms) == want
+    assert tpd.splits_for(batch, hkv, sms, waves) == want
+    assert tpd.splits_for(batch, hkv, sms, waves) <= tpd.MAX_SPLITS
 
 
 def test_which_shapes_the_kernels_take():

@@ -171,7 +171,7 @@ def test_paged_decode_kernels_compile_for_sm90(hq, hkv, block, warps, stages):
     from mstar.ops.backends import triton_paged_decode as tpd
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "indptr_ptr": "*i32", "indices_ptr": "*i32",
            "last_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "page_size": "i32",
-           "qk_scale": "fp32"}
+           "min_chunk": "i32", "qk_scale": "fp32"}
     sig.update({n: "i64" for n in ("stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "stride_vp",
                                    "stride_vt", "stride_vh")})
     sig.update({n: "constexpr" for n in ("HQ", "GROUP", "GROUP_PAD", "D", "BLOCK_N", "SPLITS")})
@@ -180,7 +180,9 @@ def test_paged_decode_kernels_compile_for_sm90(hq, hkv, block, warps, stages):
                                 "SPLITS": 32})
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     assert "mma.sync" in out.asm["ptx"] or "wgmma" in out.asm["ptx"]
-    sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i64",
-           "stride_oh": "i64", "HQ": "constexpr", "D": "constexpr", "SPLITS": "constexpr"}
-    src = ASTSource(fn=tpd._merge_kernel, signature=sig, constexprs={"HQ": hq, "D": 256, "SPLITS": 32})
+    sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "indptr_ptr": "*i32",
+           "last_ptr": "*i32", "page_size": "i32", "min_chunk": "i32", "stride_ob": "i64", "stride_oh": "i64",
+           "HQ": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr", "SPLITS": "constexpr"}
+    src = ASTSource(fn=tpd._merge_kernel, signature=sig,
+                    constexprs={"HQ": hq, "D": 256, "BLOCK_N": block, "SPLITS": 64})
     assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]) > 0

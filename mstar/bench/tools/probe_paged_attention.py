@@ -6,8 +6,9 @@
 Decode: `BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)` runs the rows through the
 batch prefill kernel of FlashInfer's fa2 backend; `False` runs its decode kernel on CUDA cores;
 "triton" is mstar's split + merge kernels (ops/backends/triton_paged_decode.py) in their default
-configuration, and with --triton-sweep the best of its configurations (keys a block, warps,
-pipeline stages, slices a row) is printed beside it.
+configuration, and with --triton-sweep the best of its slice policies (waves of programs, the
+fewest blocks a slice) and of its launch configurations (keys a block, warps, pipeline stages) is
+printed beside it.
 Prefill (causal, prompts from the start): the batch prefill wrapper on its fa2 backend against
 fa3 (Hopper's), which is what "auto" picks on sm90. Each variant is a separately compiled module:
 the first use of each is timed too, which on a host without it is FlashInfer's JIT build.
@@ -59,36 +60,42 @@ def _timed_first(first_use: dict, key: str, fn):
 
 
 TRITON_CONFIGS = [(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 3), (64, 8, 3)]
+TRITON_WAVES = (1, 2, 4)
+TRITON_MIN_SLICE_BLOCKS = (1, 2, 4, 8)
 
 
 def probe_triton_decode(pages: Pages, q, indptr, indices, last, sweep: bool) -> tuple[float, torch.Tensor, str]:
-    """(default us, its output, the best configuration of the sweep as text)."""
+    """(default us, its output, the sweep's best slice policy and launch configuration as text)."""
     from mstar.ops.backends import triton_paged_decode as tpd
     batch = q.shape[0]
     ptr, lst = indptr.to("cuda"), last.to("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = tpd.splits_for(batch, pages.hkv, sms)
 
-    def run(cfg=None, sp=splits):
+    def run(cfg=None, waves=tpd.WAVES, min_blocks=tpd.MIN_SLICE_BLOCKS):
+        sp = tpd.splits_for(batch, pages.hkv, sms, waves)
         part_o = torch.empty(batch, pages.hq, sp, pages.d, dtype=torch.float32, device="cuda")
         part_lse = torch.empty(batch, pages.hq, sp, dtype=torch.float32, device="cuda")
         out = torch.empty_like(q)
+        block = cfg[0] if cfg else tpd.block_n(pages.d)
+
         def fn(_):
             tpd.decode(q, pages.k, pages.v, ptr, indices, lst, pages.d ** -0.5, part_o, part_lse, sp, out=out,
-                       config=cfg)
+                       config=cfg, min_chunk=min_blocks * block)
         return graph_us(fn), out
     us, out = run()
     best = ""
     if sweep:
+        # the slice policy at the default launch configuration, then every configuration at the best policy
+        policy = min((run(None, w, m)[0], w, m) for w in TRITON_WAVES for m in TRITON_MIN_SLICE_BLOCKS)
         timed = []
-        for sp in sorted({max(2, splits // 4), max(2, splits // 2), splits, min(64, splits * 2)}):
-            for cfg in TRITON_CONFIGS:
-                try:
-                    timed.append((run(cfg, sp)[0], cfg, sp))
-                except Exception as e:  # a configuration that does not compile (shared memory)
-                    timed.append((float("inf"), cfg, f"{sp} ({type(e).__name__})"))
-        t, cfg, sp = min(timed)
-        best = f"  best {t:.2f} (block {cfg[0]}, {cfg[1]} warps, {cfg[2]} stages, {sp} slices)"
+        for cfg in TRITON_CONFIGS:
+            try:
+                timed.append((run(cfg, policy[1], policy[2])[0], str(cfg)))
+            except Exception as e:  # a configuration that does not compile (shared memory)
+                timed.append((float("inf"), f"{cfg} ({type(e).__name__})"))
+        t, cfg = min(timed)
+        best = (f"  best policy {policy[0]:.2f} ({policy[1]} waves, slices >= {policy[2]} blocks);"
+                f" best launch {t:.2f} (block, warps, stages {cfg})")
     return us, out, best
 
 
@@ -149,7 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-cuda-cores", action="store_true",
                    help="Skip FlashInfer's CUDA-core decode (its module's build takes ~17 s on a host without it).")
     p.add_argument("--triton-sweep", action="store_true",
-                   help="Also time every configuration of the Triton decode kernels and print the best.")
+                   help="Also time the Triton decode kernels' slice policies (waves of programs, fewest blocks "
+                        "a slice) and launch configurations, and print the best.")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--cache-gib", type=float, default=2.0, help="Size of the K and V caches together.")
     args = p.parse_args(argv)

@@ -6,9 +6,10 @@ program owns one row, one KV head and one slice of the row's keys: it loads the 
 share the KV head (padded to 16 rows for the tensor-core product), walks its slice in blocks of
 BLOCK_N keys gathered through the page table, and keeps the online softmax in float32. Each
 program stores its slice's output (normalised) and log-sum-exp; the merge kernel weighs the
-slices of each (row, query head). The number of slices is fixed per batch size (so a CUDA graph
-captures one grid) and each row cuts its own keys into that many slices at run time, so one
-graph serves every context length.
+slices of each (row, query head). The grid is fixed per batch size (so a CUDA graph captures
+one grid) and each row cuts its own keys into slices at run time, as many as the grid holds but
+none shorter than a minimum, so one graph serves every context length and a short row does not
+pay for a long row's slices.
 
 The kernels read the page table on the device, so this path runs under the runtime's decode
 graphs, whose plan (`TritonDecodePlan`) holds the index arrays and the slices' scratch in fixed
@@ -38,21 +39,32 @@ MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 _MMA_ROWS = 16  # the tensor-core product's smallest row count: the query group is padded to it
+# The slice policy (measured: notes/llm-decode-step.md): a graph's grid holds about WAVES waves of
+# programs (at most MAX_SPLITS slices a row), and no slice is shorter than MIN_SLICE_BLOCKS blocks.
+WAVES = 1
+MAX_SPLITS = 64
+MIN_SLICE_BLOCKS = 1
+
+
+@triton.jit
+def _slice_len(indptr_ptr, last_ptr, row, page_size, min_chunk, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """(the row's key count, its slice length): at most SPLITS slices of whole blocks, none shorter
+    than min_chunk keys, so a short row fills few slices and the rest of its programs idle."""
+    p0 = tl.load(indptr_ptr + row)
+    kv_len = (tl.load(indptr_ptr + row + 1) - p0 - 1) * page_size + tl.load(last_ptr + row)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N, min_chunk)
+    return p0, kv_len, chunk
 
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_ptr, part_o_ptr, part_lse_ptr, page_size,
-                  qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                  HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                  min_chunk, qk_scale, stride_qb, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                  stride_vh, HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    p0 = tl.load(indptr_ptr + row)
-    p1 = tl.load(indptr_ptr + row + 1)
-    kv_len = (p1 - p0 - 1) * page_size + tl.load(last_ptr + row)
-    # the row's keys in SPLITS slices of whole blocks; the last slices of a short row are empty
-    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N
+    p0, kv_len, chunk = _slice_len(indptr_ptr, last_ptr, row, page_size, min_chunk, BLOCK_N, SPLITS)
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
 
@@ -81,40 +93,47 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_ptr, part_o
                     mask=live[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    # an empty slice stores lse = -inf and zeros: the merge gives it no weight
-    has = denom > 0
-    o = acc / tl.where(has, denom, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, denom, 1.0)), float("-inf"))
+    # a slice past the row's end stores nothing: the merge reads only the slices the row fills
+    o = acc / denom[:, None]
+    lse = m + tl.log2(denom)
     slot = (row * HQ + heads) * SPLITS + split
-    keep = g < GROUP
+    keep = g < tl.where(start < kv_len, GROUP, 0)
     tl.store(part_o_ptr + slot.to(tl.int64)[:, None] * D + d[None, :], o, mask=keep[:, None])
     tl.store(part_lse_ptr + slot, lse, mask=keep)
 
 
 @triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-                  SPLITS: tl.constexpr):
+def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, indptr_ptr, last_ptr, page_size, min_chunk, stride_ob,
+                  stride_oh, HQ: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
+    _, kv_len, chunk = _slice_len(indptr_ptr, last_ptr, row, page_size, min_chunk, BLOCK_N, SPLITS)
     s = tl.arange(0, SPLITS)
+    filled = s < tl.cdiv(kv_len, chunk)  # slice 0 always holds keys: the max below is finite
     d = tl.arange(0, D)
     base = (row * HQ + h) * SPLITS
-    lse = tl.load(part_lse_ptr + base + s)
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # slice 0 always holds keys: the max is finite
-    o = tl.load(part_o_ptr + (base + s).to(tl.int64)[:, None] * D + d[None, :])
+    lse = tl.load(part_lse_ptr + base + s, mask=filled, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(part_o_ptr + (base + s).to(tl.int64)[:, None] * D + d[None, :], mask=filled[:, None], other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-def splits_for(batch: int, num_kv_heads: int, sm_count: int) -> int:
-    """Slices per (row, KV head): enough programs for about one wave of the GPU, a power of two
-    (the merge's arange) from 2 to 32."""
-    want = max(1, sm_count // max(1, batch * num_kv_heads))
-    return max(2, min(32, 1 << int(math.log2(want))))
+def splits_for(batch: int, num_kv_heads: int, sm_count: int, waves: int = WAVES) -> int:
+    """Slices a (row, KV head) at most: enough programs for about `waves` waves of the GPU, a
+    power of two (the merge's arange) from 2 to MAX_SPLITS."""
+    want = max(1, waves * sm_count // max(1, batch * num_kv_heads))
+    return max(2, min(MAX_SPLITS, 1 << int(math.log2(want))))
 
 
 def block_n(head_dim: int) -> int:
     return 32 if head_dim >= 256 else 64
+
+
+def min_chunk_for(head_dim: int, blocks: int = MIN_SLICE_BLOCKS) -> int:
+    """The fewest keys a slice holds: a row of fewer keys than the grid's slices can fill uses
+    fewer slices, and the rest of its programs store nothing."""
+    return blocks * block_n(head_dim)
 
 
 def takes(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -125,10 +144,11 @@ def takes(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 def decode(q, k_cache, v_cache, indptr, indices, last_page_len, scale, part_o, part_lse, splits: int,
-           out=None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+           out=None, config: tuple[int, int, int] | None = None, min_chunk: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] over pages whose index arrays (int32) are on q's device; part_o
     [B, Hq, splits, D] and part_lse [B, Hq, splits] float32 scratch. -> [B, Hq, D].
-    config: (keys a block, warps, pipeline stages) of the split kernel; None: the default."""
+    config: (keys a block, warps, pipeline stages) of the split kernel; None: the default.
+    min_chunk: the fewest keys a slice holds (None: min_chunk_for(D))."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -137,14 +157,16 @@ def decode(q, k_cache, v_cache, indptr, indices, last_page_len, scale, part_o, p
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged decode: q and the caches need a contiguous head dimension")
     block, warps, stages = config or (block_n(d), 4, 2)
+    min_chunk = max(1, min_chunk or min_chunk_for(d))
+    page_size = k_cache.shape[1]
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, indptr, indices, last_page_len, part_o, part_lse, k_cache.shape[1],
+        q, k_cache, v_cache, indptr, indices, last_page_len, part_o, part_lse, page_size, min_chunk,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HQ=hq, GROUP=group, GROUP_PAD=_MMA_ROWS, D=d, BLOCK_N=block, SPLITS=splits, num_warps=warps,
         num_stages=stages)
-    _merge_kernel[(b, hq)](part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, D=d, SPLITS=splits,
-                           num_warps=4)
+    _merge_kernel[(b, hq)](part_o, part_lse, out, indptr, last_page_len, page_size, min_chunk, out.stride(0),
+                           out.stride(1), HQ=hq, D=d, BLOCK_N=block, SPLITS=splits, num_warps=4)
     return out
 
 
