@@ -141,7 +141,8 @@ def test_paged_attention(hq, hkv, d):
 def test_small_batch_decode_attention_in_a_graph(hq, hkv, d):
     """The Triton decode kernels as the runtime's decode graphs run them: a plan per batch size,
     the graph captured over one page table and replayed over another (new lengths, new pages),
-    against the reference; a batch past MAX_ROWS gets FlashInfer's plan and runs there."""
+    against the reference and against an eager call on the host page table (equal); a batch past
+    MAX_ROWS gets FlashInfer's plan and runs there."""
     with knobs.override(MSTAR_BACKENDS="paged_attention_decode=triton"):
         _small_batch_decode_in_a_graph(hq, hkv, d)
 
@@ -162,7 +163,7 @@ def _small_batch_decode_in_a_graph(hq, hkv, d):
             _, _, indptr, idx, last = _paged(lens, page, hkv, d, bf)
             plan.plan(indptr.cpu(), idx, last.cpu())
             q.copy_(r(batch, hq, d, dtype=bf))
-            return plan.indptr, idx, plan.last_page_len
+            return indptr.cpu(), idx, last.cpu()
 
         load(tables[0])
         ops.paged_attention_decode(q, kc, vc, plan.indptr, plan.indices, plan.last_page_len, scale)  # compiles
@@ -176,6 +177,8 @@ def _small_batch_decode_in_a_graph(hq, hkv, d):
             want = attention.paged_attention_decode.backends["reference"].fn(q, kc, vc, indptr, idx, last, scale)
             err = (out.float() - want.float()).norm() / want.float().norm()
             assert err < 1e-2, (batch, lens, err)
+            # an eager step (host page table) runs the same kernels: the same output, bit for bit
+            assert torch.equal(ops.paged_attention_decode(q, kc, vc, indptr, idx, last, scale), out), (batch, lens)
     big = attention.decode_graph_plan(DEV, batch=tpd.MAX_ROWS + 1, max_pages=64, num_q_heads=hq, num_kv_heads=hkv,
                                       head_dim=d, page_size=page, dtype=bf, scale=scale)
     assert not isinstance(big, tpd.TritonDecodePlan)

@@ -98,6 +98,55 @@ def test_slices_per_row_fill_about_the_waves_asked(batch, hkv, sms, waves, want)
     assert tpd.splits_for(batch, hkv, sms, waves) <= tpd.MAX_SPLITS
 
 
+def test_slices_depend_on_the_batch_rounded_up_to_a_power_of_two():
+    """A graph's padded batch (3 rows padded to 4, 5 to 8) slices a row as the eager batch does."""
+    from mstar.ops.backends import triton_paged_decode as tpd
+    for small, padded in ((3, 4), (5, 8), (6, 8), (7, 8)):
+        for hkv in (1, 2, 4, 20):
+            assert tpd.splits_for(small, hkv, 132) == tpd.splits_for(padded, hkv, 132)
+
+
+_EAGER_SCRIPT = r"""
+import json, torch
+from mstar.ops.backends import triton_paged_decode as tpd
+from test_ops_paged_decode import attention_float64, paged_case
+hq, hkv, d, page = 8, 2, 256, 16
+seed = int(torch.randint(1 << 20, ()))
+out = {}
+# an eager step of 3 rows (host page table), its second layer, then a step of 1 row
+q, k, v, indptr, indices, last = paged_case(hq, hkv, d, page, [300, 1, 70], seed)
+got = tpd._eager_decode(q, k, v, indptr, indices, last, d ** -0.5)
+again = tpd._eager_decode(q, k, v, indptr, indices, last, d ** -0.5)
+want = attention_float64(q, k, v, indptr, indices, last, d ** -0.5)
+out["err3"] = ((got.double() - want).abs() / (want.abs() + 1)).max().item()
+out["same_layer_again"] = bool(torch.equal(got, again))
+# the same rows padded to 4 as a decode graph's plan holds them (a one-key padding row): equal rows
+splits = tpd.splits_for(4, hkv, 132)
+pad_ptr = torch.cat([indptr, indptr[-1:] + 1])
+pad_idx = torch.cat([indices, indices[:1]])
+pad_last = torch.cat([last, torch.ones(1, dtype=torch.int32)])
+qp = torch.cat([q, q[:1]])
+po = torch.empty(4, hq, splits, d)
+pl = torch.empty(4, hq, splits)
+padded = tpd.decode(qp, k, v, pad_ptr, pad_idx, pad_last, d ** -0.5, po, pl, splits)
+out["padded_equal"] = bool(torch.equal(padded[:3], got))
+q1, k1, v1, indptr1, indices1, last1 = paged_case(hq, hkv, d, page, [45], seed + 1)
+got1 = tpd._eager_decode(q1, k1, v1, indptr1, indices1, last1, d ** -0.5)
+want1 = attention_float64(q1, k1, v1, indptr1, indices1, last1, d ** -0.5)
+out["err1"] = ((got1.double() - want1).abs() / (want1.abs() + 1)).max().item()
+print(json.dumps(out))
+"""
+
+
+def test_eager_steps_copy_the_table_once_and_match_the_padded_graph_rows():
+    """An eager step (host page table) runs the kernels with the slices a decode graph's padded
+    batch uses: the rows are bit-equal to the padded run; a second layer of the step reuses the
+    copied table; the next step (new tensors, fewer rows) reloads it."""
+    got = run_interpreted(_EAGER_SCRIPT)
+    assert got["err3"] < 8e-3 and got["err1"] < 8e-3, got
+    assert got["same_layer_again"] and got["padded_equal"], got
+
+
 def test_which_shapes_the_kernels_take():
     from mstar.ops.backends import triton_paged_decode as tpd
     assert tpd.takes(1, 8, 2, 256, torch.bfloat16)

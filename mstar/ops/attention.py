@@ -204,6 +204,36 @@ def graph_plan_of(indptr: torch.Tensor, kind: type) -> StaticDecodePlan | None:
     return plan if isinstance(plan, kind) and plan.indptr is indptr else None
 
 
+class StepMemo:
+    """Which step's index arrays a backend's per-step state (a plan, a device copy of the page
+    table) was made for: every full-attention layer of a step is handed the same tensors, so the
+    state is made once a step. The indptr is held by weak reference (a new step's tensors can never
+    be mistaken for the old ones) with its version; `key` is whatever else the state depends on."""
+
+    def __init__(self):
+        self.ref = None
+        self.version = -1
+        self.key = None
+
+    def stale(self, indptr: torch.Tensor, key) -> bool:
+        return not (self.ref is not None and self.ref() is indptr and self.version == _version(indptr)
+                    and self.key == key)
+
+    def mark(self, indptr: torch.Tensor, key) -> None:
+        self.ref = weakref.ref(indptr)
+        self.version = _version(indptr)
+        self.key = key
+
+
+def _version(t: torch.Tensor) -> int:
+    # inference tensors (the engine runs under inference_mode) keep no version counter;
+    # for them the object identity alone says whether the state is current
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def register_decode_plan(backend: str, cls: Callable[..., StaticDecodePlan]) -> None:
     """A backend of paged_attention_decode that needs its own plan object under CUDA graphs: `cls`
     (a class or a function) is called as cls(device, batch, max_pages, num_q_heads=, num_kv_heads=,
@@ -224,7 +254,7 @@ def decode_graph_plan(device, *, batch: int, max_pages: int, num_q_heads: int, n
                head_dim=head_dim, page_size=page_size, dtype=dtype, scale=scale)
 
 
-__all__ += ["StaticDecodePlan", "decode_graph_plan", "decode_plan_class", "register_decode_plan",
+__all__ += ["StaticDecodePlan", "StepMemo", "decode_graph_plan", "decode_plan_class", "register_decode_plan",
             "remember_graph_plan", "graph_plan_of"]
 
 

@@ -27,7 +27,7 @@ _MODULES = {
     "mstar.ops.backends.triton_fused_linear": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
-    "mstar.ops.backends.triton_paged_decode": "triton",  # priority 20: MSTAR_BACKENDS=paged_attention_decode=triton
+    "mstar.ops.backends.triton_paged_decode": "triton",  # priority 40: up to 8 rows, FlashInfer's for the rest
     "mstar.ops.backends.flashinfer_dense_attention": "flashinfer",  # priority 4: cuDNN's stays the default
     "mstar.ops.backends.triton_sampling": "triton",  # priority -1: MSTAR_BACKENDS=sample=triton selects it
     # CuTe DSL kernels compiled ahead of time: loading needs only tvm-ffi (+ libcute_dsl_runtime.so)

@@ -2,7 +2,7 @@
 
 FlashInfer splits a call into plan() (host-side scheduling from the index arrays) and
 run(). Every full-attention layer of a step sees the same index tensors, so the plan is
-made once per step: a wrapper remembers the tensor object it planned for (by weak
+made once per step (attention.StepMemo): a wrapper remembers the tensor object it planned for (by weak
 reference, so a new step's tensors can never be mistaken for the old ones) and replans
 only when it is handed different ones. plan() reads indptr and last_page_len on the host;
 passing them as CPU tensors (the runtime's step inputs do on CUDA) keeps it free of
@@ -19,7 +19,6 @@ goes on.
 from __future__ import annotations
 
 import time
-import weakref
 
 import flashinfer
 import torch
@@ -32,32 +31,12 @@ _WORKSPACE_BYTES = 256 * 1024 * 1024
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class _Planned:
-    """One FlashInfer wrapper and the inputs its current plan was made for."""
+class _Planned(attention.StepMemo):
+    """One FlashInfer wrapper and the step inputs its current plan was made for."""
 
     def __init__(self, wrapper):
+        super().__init__()
         self.wrapper = wrapper
-        self.ref = None  # weakref to the indptr tensor planned for
-        self.version = -1
-        self.shape_key = None
-
-    def stale(self, indptr: torch.Tensor, shape_key) -> bool:
-        return not (self.ref is not None and self.ref() is indptr and self.version == _version(indptr)
-                    and self.shape_key == shape_key)
-
-    def mark(self, indptr: torch.Tensor, shape_key) -> None:
-        self.ref = weakref.ref(indptr)
-        self.version = _version(indptr)
-        self.shape_key = shape_key
-
-
-def _version(t: torch.Tensor) -> int:
-    # inference tensors (the engine runs under inference_mode) keep no version counter;
-    # for them the object identity alone says whether the plan is current
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
 
 
 _state: dict[tuple, _Planned] = {}

@@ -11,15 +11,17 @@ one grid) and each row cuts its own keys into slices at run time, as many as the
 none shorter than a minimum, so one graph serves every context length and a short row does not
 pay for a long row's slices.
 
-The kernels read the page table on the device, so this path runs under the runtime's decode
-graphs, whose plan (`TritonDecodePlan`) holds the index arrays and the slices' scratch in fixed
-buffers. Larger batches, host-side page tables (eager steps) and shapes the kernels do not take
-go to FlashInfer's decode (or the reference where FlashInfer is absent). Measured against
-FlashInfer: notes/llm-decode-step.md.
+The kernels read the page table on the device. Under the runtime's decode graphs the plan
+(`TritonDecodePlan`) holds the index arrays and the slices' scratch in fixed buffers; an eager
+step's page table (on the host) is copied to the device once a step for all its layers, as
+FlashInfer plans once a step. Graph and eager steps of up to MAX_ROWS rows thus run the same
+kernels with the same slices, and give a row the same output. Larger batches and shapes the
+kernels do not take go to FlashInfer's decode (or the reference where FlashInfer is absent).
+Measured against FlashInfer: notes/llm-decode-step.md.
 
-Opt-in (`MSTAR_BACKENDS=paged_attention_decode=triton`): FlashInfer stays the default until the
-correctness gate (`python -m mstar.bench.gate`, greedy tokens and logprobs against transformers
-on a trained checkpoint) has passed with these kernels on a GPU.
+The default decode backend on CUDA (`MSTAR_BACKENDS=paged_attention_decode=flashinfer` runs
+FlashInfer's for every batch); the correctness gate (`python -m mstar.bench.gate`, greedy tokens
+and logprobs against transformers on a trained checkpoint) passes with it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _LOG2E = 1.4426950408889634
 _MMA_ROWS = 16  # the tensor-core product's smallest row count: the query group is padded to it
 # The slice policy (measured: notes/llm-decode-step.md): a graph's grid holds about WAVES waves of
 # programs (at most MAX_SPLITS slices a row), and no slice is shorter than MIN_SLICE_BLOCKS blocks.
-WAVES = 1
+WAVES = 2
 MAX_SPLITS = 64
 MIN_SLICE_BLOCKS = 1
 
@@ -121,8 +123,11 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, indptr_ptr, last_ptr, page_
 
 def splits_for(batch: int, num_kv_heads: int, sm_count: int, waves: int = WAVES) -> int:
     """Slices a (row, KV head) at most: enough programs for about `waves` waves of the GPU, a
-    power of two (the merge's arange) from 2 to MAX_SPLITS."""
-    want = max(1, waves * sm_count // max(1, batch * num_kv_heads))
+    power of two (the merge's arange) from 2 to MAX_SPLITS. It depends on the batch rounded up to
+    a power of two, so a decode graph's padded batch (1, 2, 4, 8, or a size in between rounding
+    to the same) slices a row as the unpadded eager step does: the same row, the same output."""
+    rows = 1 << max(0, batch - 1).bit_length()
+    want = max(1, waves * sm_count // max(1, rows * num_kv_heads))
     return max(2, min(MAX_SPLITS, 1 << int(math.log2(want))))
 
 
@@ -179,7 +184,7 @@ class TritonDecodePlan(attention.StaticDecodePlan):
                  head_dim: int, **_):
         super().__init__(device, batch, max_pages)
         device = torch.device(device)
-        self.splits = splits_for(batch, num_kv_heads, torch.cuda.get_device_properties(device).multi_processor_count)
+        self.splits = splits_for(batch, num_kv_heads, _sm_count(device))
         self.part_o = torch.empty(batch, num_q_heads, self.splits, head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(batch, num_q_heads, self.splits, dtype=torch.float32, device=device)
         attention.remember_graph_plan(self)
@@ -205,15 +210,70 @@ def decode_graph_plan(device, batch: int, max_pages: int, *, num_q_heads: int, n
     return other(device, batch, max_pages, **kw)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    # off CUDA (Triton's interpreter in the tests) an H100's count
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+class _EagerTable(attention.StepMemo):
+    """An eager step's page table on the device, made once for the step's layers, and the slices'
+    scratch, grown to the largest batch seen (at most MAX_ROWS rows)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.indptr = torch.zeros(MAX_ROWS + 1, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(MAX_ROWS, dtype=torch.int32, device=device)
+        self.indices = self.indptr[:0]
+        self.scratch = torch.empty(0, dtype=torch.float32, device=device)
+
+    def load(self, indptr, indices, last_page_len) -> None:
+        b = indptr.shape[0] - 1
+        self.indptr[:b + 1].copy_(indptr, non_blocking=True)
+        self.last_page_len[:b].copy_(last_page_len, non_blocking=True)
+        self.indices = indices if indices.device == self.indptr.device else indices.to(self.indptr.device)
+
+    def slices(self, b: int, hq: int, splits: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """part_o [b, hq, splits, d] and part_lse [b, hq, splits] in one buffer."""
+        n = b * hq * splits
+        if self.scratch.numel() < n * (d + 1):
+            self.scratch = torch.empty(n * (d + 1), dtype=torch.float32, device=self.scratch.device)
+        return self.scratch[:n * d].view(b, hq, splits, d), self.scratch[n * d:n * (d + 1)].view(b, hq, splits)
+
+
+_EAGER: dict[tuple, _EagerTable] = {}
+
+
+def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
+    b, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    # one table per page size: Whisper's layers alternate self-attention and cross-attention pages
+    key = (q.device, page)
+    table = _EAGER.get(key)
+    if table is None:
+        table = _EAGER[key] = _EagerTable(q.device)
+    if table.stale(kv_indptr, (id(kv_indices), id(kv_last_page_len))):
+        table.load(kv_indptr, kv_indices, kv_last_page_len)
+        table.mark(kv_indptr, (id(kv_indices), id(kv_last_page_len)))
+    splits = splits_for(b, hkv, _sm_count(q.device))
+    part_o, part_lse = table.slices(b, hq, splits, d)
+    return decode(q, k_cache, v_cache, table.indptr, table.indices, table.last_page_len, scale, part_o, part_lse,
+                  splits)
+
+
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
     plan = attention.graph_plan_of(kv_indptr, TritonDecodePlan)
     if plan is not None and q.shape[0] == plan.batch and q.dtype == k_cache.dtype:
         return decode(q, k_cache, v_cache, plan.indptr, kv_indices, plan.last_page_len, scale, plan.part_o,
                       plan.part_lse, plan.splits)
+    if (plan is None and q.is_cuda and q.dtype == k_cache.dtype
+            and takes(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
+            and attention.graph_plan_of(kv_indptr, attention.StaticDecodePlan) is None):
+        return _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
     return _other_backend().fn(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
 
 
 register_backend(attention.paged_attention_decode, "triton", paged_attention_decode,
-                 available=torch.cuda.is_available, priority=20,  # below FlashInfer's: opt-in (docstring)
+                 available=torch.cuda.is_available, priority=40,  # above FlashInfer's: the default
                  note=f"split + merge kernels for decode graphs of up to {MAX_ROWS} rows; FlashInfer for the rest")
 attention.register_decode_plan("triton", decode_graph_plan)
