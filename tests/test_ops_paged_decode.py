@@ -16,6 +16,7 @@ CASES = [
     (16, 4, 256, 16, [129], 2, 32),  # Qwen3.5-4B's
     (4, 4, 64, 5, [23, 64, 2], 4, 64),  # one query head per kv head, a page size that is no power of two
     (8, 2, 256, 16, [300, 70, 1], 16, 96),  # slices of whole blocks, a row filling 4 of 16, one filling 1
+    (32, 2, 64, 16, [90, 5], 4, 64),  # a group of 16: the padded product has no padding rows
 ]
 
 
@@ -155,6 +156,9 @@ def test_which_shapes_the_kernels_take():
     assert not tpd.takes(1, 8, 2, 256, torch.float32)
     assert not tpd.takes(1, 8, 2, 96, torch.bfloat16)  # the arange needs a power of two
     assert not tpd.takes(1, 64, 2, 128, torch.bfloat16)  # more query heads a kv head than the MMA's rows
+    assert tpd.takes(1, 32, 8, 128, torch.bfloat16)  # Qwen3-8B's
+    assert not tpd.takes(1, 20, 20, 64, torch.bfloat16)  # Whisper's: a group of one (not measured)
+    assert not tpd.takes(1, 16, 8, 128, torch.bfloat16)  # Qwen3-0.6B's: a group of two
 
 
 def test_batches_it_does_not_take_get_the_other_backends_plan_and_kernel():

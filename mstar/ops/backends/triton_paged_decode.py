@@ -41,6 +41,7 @@ MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 _MMA_ROWS = 16  # the tensor-core product's smallest row count: the query group is padded to it
+MIN_GROUP = 4  # query heads a KV head, at least (takes())
 # The slice policy (measured: notes/llm-decode-step.md): a graph's grid holds about WAVES waves of
 # programs (at most MAX_SPLITS slices a row), and no slice is shorter than MIN_SLICE_BLOCKS blocks.
 WAVES = 2
@@ -142,10 +143,12 @@ def min_chunk_for(head_dim: int, blocks: int = MIN_SLICE_BLOCKS) -> int:
 
 
 def takes(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether these kernels serve a decode batch of this shape."""
+    """Whether these kernels serve a decode batch of this shape: 4 to 16 query heads a KV head
+    (the measured shapes have 4; with fewer, most of the padded product's rows are padding, and
+    FlashInfer runs such groups on its CUDA-core decode kernel)."""
     group = num_q_heads // max(1, num_kv_heads)
     return (0 < batch <= MAX_ROWS and dtype in _HALF and num_q_heads % num_kv_heads == 0
-            and group <= _MMA_ROWS and head_dim in (64, 128, 256))
+            and MIN_GROUP <= group <= _MMA_ROWS and head_dim in (64, 128, 256))
 
 
 def decode(q, k_cache, v_cache, indptr, indices, last_page_len, scale, part_o, part_lse, splits: int,
