@@ -285,3 +285,23 @@ def test_torch_compile_fullgraph_all_ops():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(kc_e, kc_c) and torch.equal(vc_e, vc_c)
     assert not torch.equal(kc_c, paged.k_cache)  # the appended tokens landed in the compiled caches
+
+
+def test_step_memo_is_stale_for_a_new_step_an_edit_or_another_key():
+    """The once-a-step state of the decode backends (a FlashInfer plan, the Triton backend's device
+    copy of the page table) is remade for new tensors, an in-place edit of the same tensor, or
+    other companion arrays, and kept for the step's next layer."""
+    from mstar.ops.attention import StepMemo
+    memo = StepMemo()
+    indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    assert memo.stale(indptr, "k")
+    memo.mark(indptr, "k")
+    assert not memo.stale(indptr, "k")
+    assert memo.stale(indptr, "other arrays")
+    assert memo.stale(indptr.clone(), "k")  # equal values, a new step's tensor
+    indptr[2] = 6  # the same tensor edited in place
+    assert memo.stale(indptr, "k")
+    with torch.inference_mode():  # the engine's tensors keep no version: identity alone decides
+        t = torch.tensor([0, 1], dtype=torch.int32)
+        memo.mark(t, "k")
+        assert not memo.stale(t, "k") and memo.stale(torch.tensor([0, 1], dtype=torch.int32), "k")
