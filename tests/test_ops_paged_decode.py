@@ -131,6 +131,11 @@ po = torch.empty(4, hq, splits, d)
 pl = torch.empty(4, hq, splits)
 padded = tpd.decode(qp, k, v, pad_ptr, pad_idx, pad_last, d ** -0.5, po, pl, splits)
 out["padded_equal"] = bool(torch.equal(padded[:3], got))
+# the op handed a decode graph's plan (its indptr) runs the kernels on the plan's buffers
+plan = tpd.TritonDecodePlan("cpu", 3, 64, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+plan.plan(indptr, indices, last)
+via_plan = tpd.paged_attention_decode(q, k, v, plan.indptr, plan.indices, plan.last_page_len, d ** -0.5)
+out["plan_equal"] = bool(torch.equal(via_plan, got))
 q1, k1, v1, indptr1, indices1, last1 = paged_case(hq, hkv, d, page, [45], seed + 1)
 got1 = tpd._eager_decode(q1, k1, v1, indptr1, indices1, last1, d ** -0.5)
 want1 = attention_float64(q1, k1, v1, indptr1, indices1, last1, d ** -0.5)
@@ -141,11 +146,12 @@ print(json.dumps(out))
 
 def test_eager_steps_copy_the_table_once_and_match_the_padded_graph_rows():
     """An eager step (host page table) runs the kernels with the slices a decode graph's padded
-    batch uses: the rows are bit-equal to the padded run; a second layer of the step reuses the
-    copied table; the next step (new tensors, fewer rows) reloads it."""
+    batch uses: the rows are bit-equal to the padded run and to the op handed a graph plan; a
+    second layer of the step reuses the copied table; the next step (new tensors, fewer rows)
+    reloads it."""
     got = run_interpreted(_EAGER_SCRIPT)
     assert got["err3"] < 8e-3 and got["err1"] < 8e-3, got
-    assert got["same_layer_again"] and got["padded_equal"], got
+    assert got["same_layer_again"] and got["padded_equal"] and got["plan_equal"], got
 
 
 def test_which_shapes_the_kernels_take():

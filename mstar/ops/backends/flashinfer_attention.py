@@ -2,9 +2,9 @@
 
 FlashInfer splits a call into plan() (host-side scheduling from the index arrays) and
 run(). Every full-attention layer of a step sees the same index tensors, so the plan is
-made once per step (attention.StepMemo): a wrapper remembers the tensor object it planned for (by weak
-reference, so a new step's tensors can never be mistaken for the old ones) and replans
-only when it is handed different ones. plan() reads indptr and last_page_len on the host;
+made once per step (attention.StepMemo): a wrapper remembers the tensor object it planned
+for (by weak reference, so a new step's tensors can never be mistaken for the old ones) and
+replans only when it is handed different ones. plan() reads indptr and last_page_len on the host;
 passing them as CPU tensors (the runtime's step inputs do on CUDA) keeps it free of
 device syncs.
 

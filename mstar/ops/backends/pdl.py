@@ -11,7 +11,8 @@ A kernel taking part has a `PDL: tl.constexpr` parameter and, when it is set, wa
 first access to what earlier kernels write, and lets its dependents launch once it has read and
 computed everything, before its output's store: signalled at a program's start instead, a chain of
 small kernels launched several ahead, and their early fetches competed with the running kernel's
-(notes/llm-decode-step.md). `launch_options` gives the launch's keyword arguments. In a CUDA graph the launches become programmatic edges. Triton's interpreter has
+(notes/llm-decode-step.md). `launch_options` gives the launch's keyword arguments. In a CUDA graph
+the launches become programmatic edges. Triton's interpreter has
 no such instructions: CPU tensors launch with PDL off.
 """
 

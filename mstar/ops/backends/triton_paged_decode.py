@@ -255,9 +255,10 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, 
     table = _EAGER.get(key)
     if table is None:
         table = _EAGER[key] = _EagerTable(q.device)
-    if table.stale(kv_indptr, (id(kv_indices), id(kv_last_page_len))):
+    arrays = (id(kv_indices), id(kv_last_page_len))
+    if table.stale(kv_indptr, arrays):
         table.load(kv_indptr, kv_indices, kv_last_page_len)
-        table.mark(kv_indptr, (id(kv_indices), id(kv_last_page_len)))
+        table.mark(kv_indptr, arrays)
     splits = splits_for(b, hkv, _sm_count(q.device))
     part_o, part_lse = table.slices(b, hq, splits, d)
     return decode(q, k_cache, v_cache, table.indptr, table.indices, table.last_page_len, scale, part_o, part_lse,
@@ -265,18 +266,19 @@ def _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, 
 
 
 def paged_attention_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale):
-    plan = attention.graph_plan_of(kv_indptr, TritonDecodePlan)
-    if plan is not None and q.shape[0] == plan.batch and q.dtype == k_cache.dtype:
+    plan = attention.graph_plan_of(kv_indptr, attention.StaticDecodePlan)  # any backend's graph plan
+    same_dtype = q.dtype == k_cache.dtype
+    if isinstance(plan, TritonDecodePlan) and q.shape[0] == plan.batch and same_dtype:
         return decode(q, k_cache, v_cache, plan.indptr, kv_indices, plan.last_page_len, scale, plan.part_o,
                       plan.part_lse, plan.splits)
-    if (plan is None and q.is_cuda and q.dtype == k_cache.dtype
-            and takes(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
-            and attention.graph_plan_of(kv_indptr, attention.StaticDecodePlan) is None):
+    if (plan is None and q.is_cuda and same_dtype
+            and takes(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)):
         return _eager_decode(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
     return _other_backend().fn(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, scale)
 
 
 register_backend(attention.paged_attention_decode, "triton", paged_attention_decode,
                  available=torch.cuda.is_available, priority=40,  # above FlashInfer's: the default
-                 note=f"split + merge kernels for decode graphs of up to {MAX_ROWS} rows; FlashInfer for the rest")
+                 note=f"split + merge kernels for decode steps of up to {MAX_ROWS} rows, graph or eager; "
+                      "FlashInfer for the rest")
 attention.register_decode_plan("triton", decode_graph_plan)
