@@ -88,8 +88,7 @@ KNOBS: tuple[Knob, ...] = (
          "op's kernel, then cuBLAS) elsewhere. any: at every shape, the others with 8 output features and K "
          "blocks of 512 a program; for checking a model's products through the kernel (the trained-checkpoint "
          "gate's small model has none in the table) before tuning them with probe_fused_linear. The tuned "
-         "shapes run the same kernel either way. The same holds for the one-row SwiGLU MLP's persistent kernel "
-         "(ops.add_rms_norm_swiglu): tuned at the measured (hidden, intermediate) sizes, any at every size.",
+         "shapes run the same kernel either way.",
          choices=("tuned", "any")),
     Knob("MSTAR_PDL", "bool", False,
          "Programmatic dependent launch (Hopper and newer) for the Triton kernels of a one-row decode chain: "

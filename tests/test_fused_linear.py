@@ -106,10 +106,6 @@ def counted(pro, *args, **kw):
 fl.launch = counted
 for name in ("add_rms_norm_linear", "silu_mul_linear", "gated_rms_norm_linear", "sigmoid_mul_linear"):
     registry.register_backend(name, "interpreted", getattr(fl, name), devices=("cpu",), priority=100)
-# the MLP's norm, gate_up and down as the two fused-linear ops (the persistent MLP kernel: test_swiglu_mlp.py)
-from mstar.ops.backends import triton_swiglu_mlp
-registry.register_backend("add_rms_norm_swiglu", "interpreted", triton_swiglu_mlp.composed_add_rms_norm_swiglu,
-                          devices=("cpu",), priority=100)
 hf = make_hf_model(qwen3_5_config(False, key_dim=32, value_dim=64), seed=int(torch.randint(1 << 20, ())))
 with tempfile.TemporaryDirectory() as d:
     hf.save_pretrained(d)

@@ -186,19 +186,3 @@ def test_paged_decode_kernels_compile_for_sm90(hq, hkv, block, warps, stages):
     src = ASTSource(fn=tpd._merge_kernel, signature=sig,
                     constexprs={"HQ": hq, "D": 256, "BLOCK_N": block, "SPLITS": 64})
     assert len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]) > 0
-
-
-def test_persistent_swiglu_mlp_kernel_compiles_for_sm90_with_its_barrier():
-    """The one-row MLP's persistent kernel: it compiles; its barrier arrives with a GPU-scope acq_rel add,
-    waits on acquire loads with a timed trap, and the scratch vector is read past L1."""
-    from mstar.ops.backends import triton_swiglu_mlp as mlp
-    sig = {n: "*bf16" for n in ("x_ptr", "res_ptr", "nw_ptr", "wgu_ptr", "wd_ptr", "h_ptr", "y_ptr", "res_out_ptr")}
-    sig.update({"words_ptr": "*i32", "K": "i32", "INTER": "i32", "N": "i32", "eps": "fp32", "n_programs": "i32"})
-    per_sm, bj, bk1, bn, bk2, warps, pf = mlp.TUNED[(1024, 3584)]
-    consts = {"ZERO_CENTERED": True, "BJ": bj, "BK1": bk1, "BN": bn, "BK2": bk2, "PF": pf, "STEPS": 3}
-    sig.update({k: "constexpr" for k in consts})
-    src = ASTSource(fn=mlp._swiglu_mlp_kernel, signature=sig, constexprs=consts)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
-    assert ptx.count("atom.global.gpu.acq_rel.add.u32") == 1
-    assert "ld.global.gpu.acquire.b32" in ptx and "trap;" in ptx and "%globaltimer" in ptx
-    assert "ld.global.cg" in ptx

@@ -78,7 +78,8 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
             h = mixer(ctx, x, rope) if self.uses_rope else mixer(ctx, x)
-        return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
+        y, residual = self.post_attention_layernorm.add_forward_linear(h, residual, self.mlp.gate_up_proj)
+        return self.mlp.down(y), residual
 
 
 class TextModel(nn.Module):

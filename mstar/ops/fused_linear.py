@@ -64,20 +64,4 @@ sigmoid_mul_linear = define_op(
     "sigmoid_mul_linear", "(Tensor x, Tensor gate, Tensor weight) -> Tensor", reference=_sigmoid_mul_linear_ref,
     fake=lambda x, gate, weight: x.new_empty((x.shape[0], weight.shape[0])))
 
-def _add_rms_norm_swiglu_ref(x, residual, norm_weight, eps, zero_centered, gate_up_weight, down_weight):
-    """(silu_and_mul(rms_norm(x + residual) @ gate_up_weight.T) @ down_weight.T, x + residual): a
-    decoder layer's whole SwiGLU MLP after its norm; gate_up_weight [2I, K] (gate rows, then up)."""
-    gate_up, s = _add_rms_norm_linear_ref(x, residual, norm_weight, eps, zero_centered, gate_up_weight)
-    return _silu_mul_linear_ref(gate_up, down_weight), s
-
-
-add_rms_norm_swiglu = define_op(
-    "add_rms_norm_swiglu",
-    "(Tensor x, Tensor residual, Tensor norm_weight, float eps, bool zero_centered, Tensor gate_up_weight, "
-    "Tensor down_weight) -> (Tensor, Tensor)",
-    reference=_add_rms_norm_swiglu_ref,
-    fake=lambda x, residual, norm_weight, eps, zero_centered, gate_up_weight, down_weight: (
-        x.new_empty((x.shape[0], down_weight.shape[0])), torch.empty_like(x)))
-
-__all__ = ["add_rms_norm_linear", "silu_mul_linear", "gated_rms_norm_linear", "sigmoid_mul_linear",
-           "add_rms_norm_swiglu"]
+__all__ = ["add_rms_norm_linear", "silu_mul_linear", "gated_rms_norm_linear", "sigmoid_mul_linear"]

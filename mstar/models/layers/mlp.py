@@ -27,15 +27,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
-    def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual) for the RMSNorm `norm` before the MLP: the norm, both
-        products and the activation one op where the products allow (ops.add_rms_norm_swiglu)."""
-        gate_up, down = fusable_weight(self.gate_up_proj), fusable_weight(self.down_proj)
-        if residual is None or norm.reduce_site is not None or gate_up is None or down is None:
-            y, residual = norm.add_forward_linear(x, residual, self.gate_up_proj)
-            return self.down(y), residual
-        return ops.add_rms_norm_swiglu(x, residual, norm.weight, norm.eps, norm.zero_centered, gate_up, down)
-
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) from the gate_up projection's output, one op where it can be."""
         weight = fusable_weight(self.down_proj)

@@ -25,7 +25,6 @@ _MODULES = {
     "mstar.ops.backends.triton_rms_norm_rotary": "triton",
     "mstar.ops.backends.triton_fp8": "triton",
     "mstar.ops.backends.triton_fused_linear": "triton",
-    "mstar.ops.backends.triton_swiglu_mlp": "triton",
     "mstar.ops.backends.fla_gdn": "fla",
     "mstar.ops.backends.flashinfer_attention": "flashinfer",
     "mstar.ops.backends.triton_paged_decode": "triton",  # priority 40: up to 8 rows, FlashInfer's for the rest
