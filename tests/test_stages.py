@@ -497,9 +497,10 @@ def test_videos_sync_and_async_jobs(servers):
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "video/mp4" and r.headers["x-num-frames"] == "3"
     frames = _mp4_frames(r.content)
-    # the encoder is deterministic (the same frames, the same bytes); the server's frames may differ
-    # from the reference's in the last bit where its batch differed, so the check is closeness
-    assert mp4_bytes(ref, T.FPS) == mp4_bytes(ref.copy(), T.FPS)
+    # two encodes of the same frames decode to (nearly) the same pixels (their bytes are not always
+    # the same: api_video.mp4_bytes); the server's frames may differ from the reference's in the last
+    # bit where its batch differed, so the check is closeness
+    assert _near(_mp4_frames(mp4_bytes(ref, T.FPS)), _mp4_frames(mp4_bytes(ref.copy(), T.FPS))) < 1
     assert _near(frames, ref) < 12 and _near(frames, ref) + 2 < _near(frames, other)
 
     r = s.post("/v1/videos", body)
