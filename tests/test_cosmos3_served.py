@@ -15,9 +15,9 @@ from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
 from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
-from mstar.runtime.serving.api_video import mp4_bytes
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture: one intra-op thread
 from server_harness import ServerProc
+from video_checks import assert_video_of, mp4_frames
 
 pytest.importorskip("av")
 PIL = pytest.importorskip("PIL.Image")
@@ -51,12 +51,6 @@ def _png(b64: str) -> np.ndarray:
     return np.asarray(PIL.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def _mp4(data: bytes) -> np.ndarray:
-    import av
-    with av.open(io.BytesIO(data)) as c:
-        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
-
-
 def _err(r, param):
     assert 400 <= r.status_code < 500, r.text
     e = r.json()["error"]
@@ -78,13 +72,11 @@ def test_image_and_video_routes(server, engine):
     vbody = {"prompt": "waves on a beach", "size": "64x64", "num_frames": 9, "num_inference_steps": 2, "seed": 4}
     r = server.post("/v1/videos/sync", vbody)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
-    frames = _mp4(r.content)
+    frames = mp4_frames(r.content)
     clip = _local(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 9,
                            "num_inference_steps": 2}, 4)
     assert frames.shape == clip.frames.shape == (9, 64, 64, 3) and clip.fps == 24.0
-    # the engine's frames through the same encoder: the served video
-    local = _mp4(mp4_bytes(clip.frames, clip.fps))
-    assert float(np.abs(frames.astype(int) - local.astype(int)).mean()) < 1
+    assert_video_of(frames, clip.frames, clip.fps)  # the engine's frames, through the encoder
 
 
 def test_inputs_the_model_cannot_take(server):

@@ -16,8 +16,8 @@ from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
 from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
-from mstar.runtime.serving.api_video import mp4_bytes
 from server_harness import ServerProc
+from video_checks import assert_video_of, mp4_frames
 
 pytest.importorskip("av")
 PIL = pytest.importorskip("PIL.Image")
@@ -48,12 +48,6 @@ def _png(b64: str) -> np.ndarray:
     return np.asarray(PIL.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def _mp4(data: bytes) -> np.ndarray:
-    import av
-    with av.open(io.BytesIO(data)) as c:
-        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
-
-
 def _err(r, param):
     assert r.status_code == 400, r.text
     e = r.json()["error"]
@@ -74,14 +68,11 @@ def test_image_and_video_routes(server, engine):
     vbody = {"prompt": "waves on a beach", "size": "64x64", "num_frames": 5, "num_inference_steps": 2, "seed": 4}
     r = server.post("/v1/videos/sync", vbody)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
-    frames = _mp4(r.content)
+    frames = mp4_frames(r.content)
     clip = _local(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 5,
                            "num_inference_steps": 2}, 4)
     assert frames.shape == clip.frames.shape == (5, 64, 64, 3)
-    # the engine's frames through the same encoder: the served video, up to the
-    # last bit of a pixel; H.264 itself loses ~23 levels on the random model's noise-like frames
-    local = _mp4(mp4_bytes(clip.frames, clip.fps))
-    assert float(np.abs(frames.astype(int) - local.astype(int)).mean()) < 1
+    assert_video_of(frames, clip.frames, clip.fps)  # the engine's frames, through the encoder
 
     # image to video: the first frame follows the reference image
     img = np.zeros((64, 64, 3), np.uint8)
@@ -91,7 +82,7 @@ def test_image_and_video_routes(server, engine):
     ref_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     r = server.post("/v1/videos/sync", {**vbody, "input_reference": ref_url})
     assert r.status_code == 200, r.text
-    assert not np.array_equal(_mp4(r.content), frames)
+    assert not np.array_equal(mp4_frames(r.content), frames)
 
     # an async job: progress to completion, its content the same request's video
     job = server.post("/v1/videos", vbody).json()
@@ -99,8 +90,8 @@ def test_image_and_video_routes(server, engine):
     while (rec := server.get(f"/v1/videos/{job['id']}").json())["status"] != "completed":
         assert rec["status"] in ("queued", "in_progress") and time.monotonic() < deadline, rec
         time.sleep(0.05)
-    again = _mp4(server.get(f"/v1/videos/{job['id']}/content").content)
-    assert float(np.abs(again.astype(int) - frames.astype(int)).mean()) < 3
+    again = mp4_frames(server.get(f"/v1/videos/{job['id']}/content").content)
+    assert_video_of(again, clip.frames, clip.fps)
 
 
 def test_inputs_the_model_cannot_take(server):
