@@ -1,6 +1,5 @@
 """The fused-linear ops: the Triton kernel (Triton's CPU interpreter) against a float64 computation of
-the op followed by the product, for each prologue, 1-8 rows, two block shapes unsplit and two split
-over K (split-K, one split empty), K and N that leave
+the op followed by the product, for each prologue, 1-8 rows, two block shapes, K and N that leave
 partial blocks, gates read through a head stride from inside a wider projection; a tiny Qwen3.5
 decoding one row a step with every one of its fused-linear ops through the kernel, against
 transformers; and the ops' CPU path, which is the elementwise op then F.linear, bit for bit."""
@@ -22,9 +21,7 @@ from mstar.ops.backends import triton_fused_linear as fl
 from test_fused_linear import case, want
 seed = int(torch.randint(1 << 30, ()))
 out = []
-# two K splits; three, of which the last is empty (K = 200 in blocks of 64 per split of 128)
-configs = [dict(BN=8, BK=64, num_warps=4, num_stages=1), dict(BN=16, BK=128, num_warps=4, num_stages=1),
-           dict(BN=8, BK=64, num_warps=4, num_stages=1, SPLIT=2), dict(BN=16, BK=64, num_warps=4, num_stages=1, SPLIT=3)]
+configs = [dict(BN=8, BK=64, num_warps=4, num_stages=1), dict(BN=16, BK=128, num_warps=4, num_stages=1)]
 for i, pro in enumerate((fl.ADD_RMS, fl.SILU_MUL, fl.GATED_RMS, fl.SIGMOID_MUL)):
     for m in (1, 3, 8):
         for ci, cfg in enumerate(configs):
@@ -34,7 +31,6 @@ for i, pro in enumerate((fl.ADD_RMS, fl.SILU_MUL, fl.GATED_RMS, fl.SIGMOID_MUL))
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             res_err = 0.0 if res is None else (res.double() - ref_res).abs().max().item()
             out.append([int(pro), m, ci, err, res_err])
-assert fl._counts and all(int(c.abs().sum()) == 0 for c in fl._counts.values())  # every tile's count back at 0
 print(json.dumps(out))
 """
 
@@ -90,7 +86,7 @@ def want(pro: int, a: dict):
 
 def test_fused_linear_kernel_in_the_interpreter():
     got = run_interpreted(_SCRIPT)
-    assert len(got) == 4 * 3 * 4
+    assert len(got) == 4 * 3 * 2
     for pro, m, cfg, err, res_err in got:
         assert err < 1e-5 and res_err < 1e-5, (pro, m, cfg, err, res_err)
 
@@ -179,5 +175,5 @@ def test_untuned_shapes_run_composed_unless_the_knob_says_any():
     tuned = fl.pick_config(fl.ADD_RMS, 8224, 1024)
     with knobs.override(MSTAR_FUSED_LINEAR_SHAPES="any"):
         bn, bk, warps = fl.UNTUNED
-        assert fl.pick_config(fl.ADD_RMS, 640, 128) == dict(BN=bn, BK=bk, num_warps=warps, num_stages=3, SPLIT=1)
+        assert fl.pick_config(fl.ADD_RMS, 640, 128) == dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
         assert fl.pick_config(fl.ADD_RMS, 8224, 1024) == tuned  # the tuned shapes' blocks either way

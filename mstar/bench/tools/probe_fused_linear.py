@@ -2,14 +2,13 @@
 replaces (the elementwise op's kernel, then cuBLAS) at the Qwen3.5 0.8B / 4B decode products, on
 one CUDA GPU, random bf16 weights:
 
-    python -m mstar.bench.tools.probe_fused_linear [--rows 1 8] [--model 0.8b 4b] [--only down] [--splits 1 2 4]
+    python -m mstar.bench.tools.probe_fused_linear [--rows 1 8] [--model 0.8b 4b] [--only down]
 
 Per product and row count: the composed pair, cuBLAS alone on the op's output, the kernel with
 the configuration the backend takes (its TUNED table; on sm_90 also with programmatic dependent
-launch, MSTAR_PDL, which lets each launch prefetch its first weights while the one before it ends),
-and the best of a sweep of configurations (output features and K a block, warps; with --splits also
-K split over several programs a tile), microseconds a launch inside a CUDA graph, cycling over enough
-copies of the weight to overrun L2. Each configuration's output is checked against the composed
+launch, MSTAR_PDL, which lets each launch prefetch its first weights while the one before it ends), and the best of a
+sweep of configurations (output features and K a block, warps), microseconds a launch inside a CUDA
+graph, cycling over enough copies of the weight to overrun L2. Each configuration's output is checked against the composed
 pair's first. Results: notes/llm-decode-step.md.
 """
 
@@ -36,10 +35,10 @@ PRODUCTS = {
 }
 
 
-def sweep(group: int, splits=(1,)):
-    """Configurations tried (output features and K a block, warps, K splits)."""
-    return [dict(BN=bn, BK=bk, num_warps=warps, num_stages=3, SPLIT=split) for bn in (4, 8, 16, 32)
-            for bk in (256, 512, 1024) for warps in (2, 4, 8) for split in splits if bk >= group and bn * bk <= 16384]
+def sweep(group: int):
+    """Configurations tried (output features and K a block, warps)."""
+    return [dict(BN=bn, BK=bk, num_warps=warps, num_stages=3) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)
+            for warps in (2, 4, 8) if bk >= group and bn * bk <= 16384]
 
 
 def product_fns(pro: int, m: int, n: int, k: int, heads: int, d: int):
@@ -76,8 +75,6 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="time the picked configuration only")
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
                     help="products whose label contains one of these (e.g. down out_proj o_proj); default: all")
-    ap.add_argument("--splits", type=int, nargs="+", default=[1],
-                    help="K splits a tile to sweep (split-K: more programs for a product of few output features)")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "; us a launch")
@@ -103,7 +100,7 @@ def main() -> None:
                             line += f"  with PDL {graph_us(lambda w: fused(w, picked), weights):7.2f}"
                 if not args.no_sweep:
                     best, best_cfg, worst_err = float("inf"), None, 0.0
-                    for cfg in sweep(max(d, 1), args.splits):
+                    for cfg in sweep(max(d, 1)):
                         err = ((fused(weights[0], cfg).float() - ref).abs().max() / ref.abs().max()).item()
                         worst_err = max(worst_err, err)
                         if err > 0.02:
@@ -111,7 +108,7 @@ def main() -> None:
                         t = graph_us(lambda w: fused(w, cfg), weights, reps=5)
                         if t < best:
                             best, best_cfg = t, cfg
-                    short = {key: best_cfg[key] for key in ("BN", "BK", "num_warps", "SPLIT")} if best_cfg else None
+                    short = {key: best_cfg[key] for key in ("BN", "BK", "num_warps")} if best_cfg else None
                     line += f"  best {best:7.2f} {short}  max rel err {worst_err:.1e}"
                 print(line, flush=True)
 

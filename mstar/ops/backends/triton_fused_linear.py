@@ -9,11 +9,6 @@ its [BN, BK] weight tile and the matching BK inputs, applies the op to them in f
 the result to the weight dtype (as the op's own output is rounded), and accumulates the product
 in float32 by FMA (a GEMV).
 
-A configuration may split K over several programs a tile (split-K: more programs, and so more weight
-loads in flight, for a product of few output features); the last of a tile's programs adds their
-partial sums in a fixed order, so the output does not depend on which finished last. The tuned table
-below splits no product: split-K was not measured against it.
-
 The residual add + RMSNorm needs the sum of squares of the whole row before any of it is
 normalised; the kernel multiplies the unnormalised (x + residual) * w and scales the row's sums
 by 1 / rms at the end (one pass over x, the rounding applied to (x + residual) * w instead of to
@@ -57,10 +52,10 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, K_SPLIT,
-                         x_stride, aux_stride, aux_group_stride, res_out_stride, y_stride, eps, PRO: tl.constexpr,
+def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, x_stride, aux_stride,
+                         aux_group_stride, res_out_stride, y_stride, eps, PRO: tl.constexpr,
                          ZERO_CENTERED: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         SPLIT: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                         PF: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     """y[row, block] = prologue(x, aux)[row] @ w[block].T for the program's row and BN output features.
 
     aux: ADD_RMS the residual; SILU_MUL the up half (x the gate half); GATED_RMS the gate z and
@@ -69,32 +64,22 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, part
 
     Under PDL the program first asks L2 for the weights of its first PF inputs (a prefetch a
     LINE-element cache line; no kernel writes them), then waits for the kernel that writes x: its
-    first weight bytes come on chip while that kernel ends.
-
-    SPLIT > 1 (split-K): the program sums only its K_SPLIT inputs (program_id 2 picks which) and
-    stores its BN partial sums (and, for ADD_RMS, its inputs' sum of squares) to part; the last of a
-    tile's SPLIT programs to count itself in (count, an int32 a tile, back to 0 when it is done) adds
-    the tile's partials in split order and stores y. Nobody waits on anybody, and the sum's order
-    does not depend on which program came last."""
+    first weight bytes come on chip while that kernel ends."""
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     n_mask = rn < N
-    k_lo = pid_k * K_SPLIT
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if PDL:
-        lines = (tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + k_lo
-                 + (tl.arange(0, PF // LINE) * LINE)[None, :])
+        lines = tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + (tl.arange(0, PF // LINE) * LINE)[None, :]
         _prefetch_l2(w_ptr + lines)
         gdc_wait()
     x_row, aux_row = x_ptr + row * x_stride, aux_ptr + row * aux_stride
     acc = tl.zeros((BN,), dtype=tl.float32)
     sumsq = tl.zeros((BK,), dtype=tl.float32)
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        k_mask = rk < k_hi
+        k_mask = rk < K
         x = tl.load(x_row + rk, mask=k_mask, other=0.0).to(tl.float32)
         if PRO == ADD_RMS:
             h = (x + tl.load(aux_row + rk, mask=k_mask, other=0.0).to(tl.float32)).to(res_out_ptr.dtype.element_ty)
@@ -124,33 +109,14 @@ def _fused_linear_kernel(x_ptr, aux_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, part
         xk = xk.to(w_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-    ss = tl.sum(sumsq, axis=0)
+    if PRO == ADD_RMS:
+        acc = acc * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
     if PDL:  # the next kernel may start loading its weights while this one stores and ends
         gdc_launch_dependents()
-    if SPLIT > 1:
-        tile = row * tl.num_programs(1) + pid_n
-        part = part_ptr + (tile * SPLIT + pid_k) * (BN + 1)
-        tl.store(part + tl.arange(0, BN), acc)
-        tl.store(part + BN, ss)
-        tl.debug_barrier()  # every thread's partials are issued before the count
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-            acc = tl.zeros((BN,), dtype=tl.float32)
-            ss = 0.0
-            for s in tl.static_range(SPLIT):  # in split order, whichever program came last
-                part = part_ptr + (tile * SPLIT + s) * (BN + 1)
-                acc += tl.load(part + tl.arange(0, BN), cache_modifier=".cg")
-                ss += tl.load(part + BN, cache_modifier=".cg")
-            if PRO == ADD_RMS:
-                acc = acc * tl.rsqrt(ss / K + eps)
-            tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        if PRO == ADD_RMS:
-            acc = acc * tl.rsqrt(ss / K + eps)
-        tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(y_ptr + row * y_stride + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-# (prologue, N, K) -> (BN, BK, warps[, SPLIT]): the best of `python -m mstar.bench.tools.probe_fused_linear`'s sweep
+# (prologue, N, K) -> (BN, BK, warps): the best of `python -m mstar.bench.tools.probe_fused_linear`'s sweep
 # at one row on an H100 (notes/llm-decode-step.md), the Qwen3.5 0.8B and 4B decode products. The best
 # block shape differs by up to 1.5x from one product to the next, and a poor one loses to the composed
 # pair, so a product whose shape is not here runs composed.
@@ -177,8 +143,8 @@ def pick_config(pro: int, n: int, k: int) -> dict | None:
         if knobs.value("MSTAR_FUSED_LINEAR_SHAPES") != "any":
             return None
         tuned = UNTUNED
-    bn, bk, warps, *split = tuned
-    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3, SPLIT=split[0] if split else 1)
+    bn, bk, warps = tuned
+    return dict(BN=bn, BK=bk, num_warps=warps, num_stages=3)
 
 
 PREFETCH_ELEMENTS = 8192  # weight elements a program asks L2 for before its wait under PDL: 16 KB of bf16
@@ -200,38 +166,14 @@ def launch(pro: int, x: torch.Tensor, aux: torch.Tensor, aux_stride: int, aux_gr
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if pro == ADD_RMS else y
-    cfg = dict(config or pick_config(pro, n, k))
+    cfg = config or pick_config(pro, n, k)
     launch_pdl = pdl.launch_options(x)
-    tiles = triton.cdiv(n, cfg["BN"])
-    split = cfg.pop("SPLIT", 1)
-    count = tile_counts(weight, m * tiles) if split > 1 and not launch_pdl["PDL"] else None
-    if count is None:
-        split = 1
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BK"]) * cfg["BK"]
-    part = torch.empty(m * tiles * split * (cfg["BN"] + 1), dtype=torch.float32, device=x.device) if split > 1 else y
     pf = prefetch_width(k, cfg["BN"]) if launch_pdl["PDL"] else 1  # read under PDL only: one compile for all K
-    _fused_linear_kernel[(m, tiles, split)](
-        x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, part,
-        y if count is None else count, n, k, k_split, x.stride(0), aux_stride, aux_group_stride, res_out.stride(0),
-        y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered, G=group, SPLIT=split, PF=pf,
-        LINE=min(128 // weight.element_size(), pf), **cfg, **launch_pdl)
+    _fused_linear_kernel[(m, triton.cdiv(n, cfg["BN"]))](
+        x, aux, norm_weight if norm_weight is not None else weight, res_out, weight, y, n, k, x.stride(0),
+        aux_stride, aux_group_stride, res_out.stride(0), y.stride(0), eps, PRO=int(pro), ZERO_CENTERED=zero_centered,
+        G=group, PF=pf, LINE=min(128 // weight.element_size(), pf), **cfg, **launch_pdl)
     return y, (res_out if pro == ADD_RMS else None)
-
-
-_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def tile_counts(weight: torch.Tensor, tiles: int) -> torch.Tensor | None:
-    """The split-K arrival counts (int32 zeros, one a tile) of the product with this weight, made on
-    its first eager launch; None while a CUDA graph is being captured before that (the launch then
-    runs unsplit: zeros made inside a capture would be a memset in the graph)."""
-    key = (weight.device, weight.data_ptr())
-    count = _counts.get(key)
-    if count is None or count.numel() < tiles:
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        count = _counts[key] = torch.zeros(tiles, dtype=torch.int32, device=weight.device)
-    return count
 
 
 def _config(pro: int, x: torch.Tensor, weight: torch.Tensor) -> dict | None:
