@@ -6,6 +6,7 @@ batch, typed outputs equal to the modules run by hand; then end to end through a
 from __future__ import annotations
 
 import base64
+import io
 import os
 import struct
 import time
@@ -24,6 +25,7 @@ from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
 from mstar.runtime.serving.api_media import png_bytes
 from mstar.runtime.serving.api_speech import pcm16
+from mstar.runtime.serving.api_video import mp4_bytes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -308,6 +310,27 @@ def test_png_encoder_round_trip():
     px = rng.integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
     assert np.array_equal(_png_pixels(png_bytes(px)), px)
 
+
+
+def test_mp4_bytes_do_not_depend_on_the_cpu():
+    """The MP4 of fresh frames equals, byte for byte, x264's encode of them with its assembly off (the
+    same settings otherwise): x264 lets some of its algorithms follow the CPU's instruction set
+    unless told not to, and an encode then depends on the CPU (on an AVX2 / FMA machine it differs)."""
+    av = pytest.importorskip("av")
+    from fractions import Fraction
+    if "libx264" not in av.codecs_available:
+        pytest.skip("this PyAV has no libx264")
+    px = np.random.default_rng().integers(0, 256, size=(4, 48, 64, 3), dtype=np.uint8)
+    px[:, :24] //= 2  # some structure for the motion search and the rate control to act on
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=Fraction(8))
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.options = {"crf": "18", "preset": "veryfast", "sliced-threads": "1", "x264-params": "asm=0"}
+        for f in px:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+    assert mp4_bytes(px, 8.0) == buf.getvalue()
 
 # -- helpers to read what the server sends -------------------------------------------------------
 def _png_pixels(data: bytes) -> np.ndarray:

@@ -75,11 +75,12 @@ def mp4_bytes(frames: np.ndarray, fps: float) -> bytes:
         stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = px.shape[2], px.shape[1], "yuv420p"
         if codec == "libx264":
-            # sliced threads: every core, and the same bytes for the same frames far more often
-            # than frame threads give them (their rate control sees the threads finish in varying
-            # order). Not always: on the CI machine two encodes of the same frames have differed,
-            # with one encoder thread as well, so nothing may rely on the bytes, only the pixels
-            stream.options = {"crf": "18", "preset": "veryfast", "sliced-threads": "1"}
+            # sliced threads: every core, each frame encoded before the next (frame threads' rate
+            # control sees them finish in varying order). cpu-independent: else x264 lets some
+            # of its algorithms follow the CPU's instruction set, and the bytes (and pixels) of an
+            # encode would depend on the CPU (no cost measurable on 33 frames at 832x480)
+            stream.options = {"crf": "18", "preset": "veryfast", "sliced-threads": "1",
+                              "x264-params": "cpu-independent=1"}
         for f in px:
             out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         out.mux(stream.encode())
