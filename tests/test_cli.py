@@ -55,6 +55,26 @@ def test_argument_mistakes_are_one_line_before_the_engine(argv, needle, no_engin
     assert len(errors) == 1 and needle in errors[0] and "\n" not in errors[0], errors
 
 
+def test_main_puts_the_signal_handlers_back(no_engine):
+    """serve.main sets SIGTERM / SIGINT handlers that stop its start-up; once it returns, the
+    caller's are back (a test process keeps its own: with serve's left in place, a SIGTERM to
+    pytest raised inside whatever test ran next and pytest went on)."""
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for s in saved:
+            signal.signal(s, mine)
+        assert serve.main(["no-such-preset"]) == 2
+        assert all(signal.getsignal(s) is mine for s in saved)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def test_config_mistakes_are_one_line_and_stop_the_engine(monkeypatch, caplog):
     """A mistake only the model's config shows (--tp that does not divide its heads) is found while
     the engine process starts: one line, and that engine is stopped."""

@@ -276,6 +276,18 @@ class _Stop(BaseException):
 
 
 def main(argv=None, prog: str = "python -m mstar.runtime.serve") -> int:
+    """Serve until stopped; the exit code. The signal handlers it sets are put back on return, so a
+    caller in the same process (a test, an embedding program) keeps its own."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv, prog)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        faulthandler.unregister(signal.SIGUSR1)
+
+
+def _main(argv, prog: str) -> int:
     args = parse_args(argv, prog)
     _setup_logging(args.log_level)
     t0 = time.monotonic()
