@@ -13,15 +13,25 @@ import time
 import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
 _READY = re.compile(r"mstar is serving \S+ at (http://\S+) ")
 _ENGINE_PID = re.compile(r"engine (?:ready in \S+ s|restarted) \(pid (\d+)")
 
 
+def toy_families_env() -> dict:
+    """The environment of a server of the test families (toy-speech, toy-image: toy_stages.py,
+    loaded as a model plugin)."""
+    return {"MSTAR_MODEL_PLUGINS": "synthetic_families",
+            "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 class ServerProc:
-    def __init__(self, *args: str, startup_timeout: float = 180.0):
+    def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None):
+        """env: variables set for the server beside this process's (a PYTHONPATH there goes after
+        the checkout)."""
         self.args = ["--port", "0", "--no-access-log", *args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="mstar-server-", suffix=".log", delete=False)
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen([sys.executable, "-m", "mstar.runtime.serving.serve", *self.args], cwd=REPO, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)

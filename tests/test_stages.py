@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import struct
 import time
 import zlib
@@ -16,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import toy_stages as T
-from server_harness import BootingServer
+from server_harness import BootingServer, toy_families_env
 from video_checks import assert_video_of, is_video_of, mp4_frames
 
 from mstar.models import interfaces as I
@@ -26,9 +25,6 @@ from mstar.runtime.engine.stage_engine import StageEngine
 from mstar.runtime.serving.api_media import png_bytes
 from mstar.runtime.serving.api_speech import pcm16
 from mstar.runtime.serving.api_video import mp4_bytes
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
 
 def _req(rid: str, seed: int = 0, **inputs) -> EngineRequest:
     return EngineRequest(rid, [], SamplingParams(), media=I.MediaRequest(rid, inputs, seed))
@@ -332,6 +328,7 @@ def test_mp4_bytes_do_not_depend_on_the_cpu():
         out.mux(stream.encode())
     assert mp4_bytes(px, 8.0) == buf.getvalue()
 
+
 # -- helpers to read what the server sends -------------------------------------------------------
 def _png_pixels(data: bytes) -> np.ndarray:
     """A PNG (8-bit RGB, any filter) as uint8 [H, W, 3]."""
@@ -404,20 +401,8 @@ def _err(r: httpx.Response, status: int = 400, param: str | None = None) -> dict
 @pytest.fixture(scope="module", autouse=True)
 def _boot():
     """toy-speech and toy-image servers, started when this module's first test starts."""
-    env = {"MSTAR_MODEL_PLUGINS": "synthetic_families",
-           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = {}
-    try:
-        for kind, args in (("speech", ["toy-speech"]), ("image", ["toy-image", "--max-video-jobs", "2"])):
-            procs[kind] = BootingServer(*args)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    procs = {kind: BootingServer(*args, env=toy_families_env())
+             for kind, args in (("speech", ["toy-speech"]), ("image", ["toy-image", "--max-video-jobs", "2"]))}
     yield procs
     for p in procs.values():  # SIGTERM to both, then wait: they drain at the same time
         if p.proc.poll() is None:
