@@ -5,19 +5,16 @@ and errors as Wan's routes."""
 
 from __future__ import annotations
 
-import base64
-import io
 
 import numpy as np
 import pytest
 
 from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
-from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
 from engine_helpers import single_thread  # noqa: F401 -- autouse fixture: one intra-op thread
+from media_checks import assert_video_of, mp4_frames, png_pixels, run_locally
 from server_harness import ServerProc
-from video_checks import assert_video_of, mp4_frames
 
 pytest.importorskip("av")
 PIL = pytest.importorskip("PIL.Image")
@@ -25,10 +22,8 @@ PIL = pytest.importorskip("PIL.Image")
 
 @pytest.fixture(scope="module")
 def server():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("OMP_NUM_THREADS", "1")  # the tiny model in the server process: no spinning threads
-    s = ServerProc("--model", "tiny-cosmos3", "--device", "cpu")
-    mp.undo()
+    # the tiny model in the server process: no spinning threads
+    s = ServerProc("--model", "tiny-cosmos3", "--device", "cpu", env={"OMP_NUM_THREADS": "1"})
     yield s
     s.close()
 
@@ -36,19 +31,6 @@ def server():
 @pytest.fixture(scope="module")
 def engine():
     return StageEngine(EngineConfig(model="tiny-cosmos3", device="cpu"))
-
-
-def _local(engine, inputs: dict, seed: int):
-    engine.add_request(EngineRequest("x", [], SamplingParams(), media=I.MediaRequest("x", inputs, seed)))
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                assert o.finish_reason == "stop", o.error
-                return o.media[0]
-
-
-def _png(b64: str) -> np.ndarray:
-    return np.asarray(PIL.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 def _err(r, param):
@@ -63,8 +45,8 @@ def test_image_and_video_routes(server, engine):
             "guidance_scale": 4.0, "negative_prompt": "blurry"}
     r = server.post("/v1/images/generations", {**body, "response_format": "b64_json"})
     assert r.status_code == 200, r.text
-    got = _png(r.json()["data"][0]["b64_json"])
-    want = _local(engine, {"prompt": body["prompt"], "negative_prompt": "blurry", "width": 96, "height": 64,
+    got = png_pixels(r.json()["data"][0]["b64_json"])
+    want = run_locally(engine, {"prompt": body["prompt"], "negative_prompt": "blurry", "width": 96, "height": 64,
                            "num_inference_steps": 3, "guidance_scale": 4.0}, 3)
     assert isinstance(want, I.Image) and got.shape == (64, 96, 3)
     assert np.array_equal(got, want.pixels)  # PNG is lossless: the engine's pixels exactly
@@ -73,7 +55,7 @@ def test_image_and_video_routes(server, engine):
     r = server.post("/v1/videos/sync", vbody)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
     frames = mp4_frames(r.content)
-    clip = _local(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 9,
+    clip = run_locally(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 9,
                            "num_inference_steps": 2}, 4)
     assert frames.shape == clip.frames.shape == (9, 64, 64, 3) and clip.fps == 24.0
     assert_video_of(frames, clip.frames, clip.fps)  # the engine's frames, through the encoder
@@ -91,4 +73,4 @@ def test_inputs_the_model_cannot_take(server):
     _err(server.post("/v1/images/generations", {"prompt": "x", "size": "31x31"}), "size")
     _err(server.post("/v1/images/generations", {"prompt": "x", "size": "640x640"}), "size")
     r = server.post("/v1/images/generations", {"prompt": "still fine", "size": "32x32", "num_inference_steps": 1})
-    assert r.status_code == 200 and _png(r.json()["data"][0]["b64_json"]).shape == (32, 32, 3)
+    assert r.status_code == 200 and png_pixels(r.json()["data"][0]["b64_json"]).shape == (32, 32, 3)

@@ -32,8 +32,6 @@ def server():
     try:
         yield p.ready()
     finally:
-        if p.proc.poll() is None:
-            p.proc.terminate()
         p.close()
 
 

@@ -18,7 +18,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from server_harness import BootingServer
+from server_harness import BootingServer, stop_all
 
 from mstar.runtime.engine.llm import LLM, Speech
 from mstar.runtime.engine.request import RequestError
@@ -42,11 +42,7 @@ def servers():
     try:
         yield {k: p.ready() for k, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.proc.poll() is None:
-                p.proc.terminate()
-        for p in procs.values():
-            p.close()
+        stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")

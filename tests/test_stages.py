@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 import pytest
 import toy_stages as T
-from server_harness import BootingServer, toy_families_env
-from video_checks import assert_video_of, is_video_of, mp4_frames
+from server_harness import BootingServer, stop_all, toy_families_env
+from media_checks import assert_video_of, is_video_of, mp4_frames
 
 from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
@@ -404,11 +404,7 @@ def _boot():
     procs = {kind: BootingServer(*args, env=toy_families_env())
              for kind, args in (("speech", ["toy-speech"]), ("image", ["toy-image", "--max-video-jobs", "2"]))}
     yield procs
-    for p in procs.values():  # SIGTERM to both, then wait: they drain at the same time
-        if p.proc.poll() is None:
-            p.proc.terminate()
-    for p in procs.values():
-        p.close()
+    stop_all(procs.values())
 
 
 @pytest.fixture(scope="module")

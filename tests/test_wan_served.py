@@ -12,12 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from mstar.models import interfaces as I
 from mstar.runtime.engine.config import EngineConfig
-from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.engine.stage_engine import StageEngine
+from media_checks import assert_video_of, mp4_frames, png_pixels, run_locally
 from server_harness import ServerProc
-from video_checks import assert_video_of, mp4_frames
 
 pytest.importorskip("av")
 PIL = pytest.importorskip("PIL.Image")
@@ -35,19 +33,6 @@ def engine():
     return StageEngine(EngineConfig(model="tiny-wan", device="cpu"))
 
 
-def _local(engine, inputs: dict, seed: int):
-    engine.add_request(EngineRequest("x", [], SamplingParams(), media=I.MediaRequest("x", inputs, seed)))
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                assert o.finish_reason == "stop", o.error
-                return o.media[0]
-
-
-def _png(b64: str) -> np.ndarray:
-    return np.asarray(PIL.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
 def _err(r, param):
     assert r.status_code == 400, r.text
     e = r.json()["error"]
@@ -60,8 +45,8 @@ def test_image_and_video_routes(server, engine):
             "guidance_scale": 4.0, "negative_prompt": "blurry"}
     r = server.post("/v1/images/generations", {**body, "response_format": "b64_json"})
     assert r.status_code == 200, r.text
-    got = _png(r.json()["data"][0]["b64_json"])
-    want = _local(engine, {"prompt": body["prompt"], "negative_prompt": "blurry", "width": 96, "height": 64,
+    got = png_pixels(r.json()["data"][0]["b64_json"])
+    want = run_locally(engine, {"prompt": body["prompt"], "negative_prompt": "blurry", "width": 96, "height": 64,
                            "num_inference_steps": 3, "guidance_scale": 4.0}, 3).pixels
     assert got.shape == (64, 96, 3) and int(np.abs(got.astype(int) - want.astype(int)).max()) <= 1
 
@@ -69,7 +54,7 @@ def test_image_and_video_routes(server, engine):
     r = server.post("/v1/videos/sync", vbody)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
     frames = mp4_frames(r.content)
-    clip = _local(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 5,
+    clip = run_locally(engine, {"prompt": vbody["prompt"], "width": 64, "height": 64, "num_frames": 5,
                            "num_inference_steps": 2}, 4)
     assert frames.shape == clip.frames.shape == (5, 64, 64, 3)
     assert_video_of(frames, clip.frames, clip.fps)  # the engine's frames, through the encoder

@@ -1,13 +1,35 @@
-"""Checks on served MP4s. H.264 loses detail, and two encodes of the same frames are not
-bit-identical on every host (their pixels have differed by ~1.4 levels on average), so a served
-video is compared with its frames sent through the same encoder, against what that encoder loses."""
+"""What the served-media tests share: a request run through a local engine (the reference of a
+served one), the pixels of a served PNG or MP4, and the check that a served video is given frames.
+
+H.264 loses detail, and two encodes of the same frames have not been bit-identical on every host
+(their pixels differed by ~1.4 levels on average), so a served video is compared with its frames
+sent through the same encoder, against what that encoder loses."""
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
 
+from mstar.models import interfaces as I
+from mstar.runtime.engine.request import EngineRequest, SamplingParams
 from mstar.runtime.serving.api_video import mp4_bytes
+
+
+def run_locally(engine, inputs: dict, seed: int):
+    """The media of one request (`inputs`, `seed`) run to its end on a StageEngine."""
+    engine.add_request(EngineRequest("local", [], SamplingParams(), media=I.MediaRequest("local", inputs, seed)))
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                assert o.finish_reason == "stop", o.error
+                return o.media[0]
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    """uint8 [H, W, 3] RGB of a base64 PNG."""
+    from PIL import Image
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 def mp4_frames(data: bytes) -> np.ndarray:
