@@ -42,9 +42,10 @@ temporal_compression_factor must agree with the VAE's.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import field_values, split_fields
 
 CLASS_NAME = "Cosmos3OmniTransformer"
 DEFAULT_ROPE_AXES = (24, 20, 20)
@@ -140,10 +141,8 @@ class Cosmos3TransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Cosmos3TransformerConfig":
-        raw = {k: v for k, v in copy.deepcopy(dict(raw)).items() if not k.startswith("_")}
-        raw.pop("dtype", None)  # a load-time hint diffusers' loader injects, not the architecture
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: raw.pop(k) for k in list(raw) if k in known}
+        # "dtype": a load-time hint diffusers' loader injects, not the architecture
+        kw, raw = split_fields(cls, {k: v for k, v in raw.items() if not k.startswith("_") and k != "dtype"})
         if kw.get("rope_axes_dim") is not None:
             kw["rope_axes_dim"] = tuple(int(a) for a in kw["rope_axes_dim"])
         cfg = cls(extra=raw, **kw)
@@ -152,7 +151,7 @@ class Cosmos3TransformerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The diffusers keys (Cosmos3OmniTransformer(**to_dict()) builds the same shape)."""
-        out = {f: copy.deepcopy(getattr(self, f)) for f in self.__dataclass_fields__ if f != "extra"}
+        out = field_values(self)
         out["rope_axes_dim"] = list(self.rope_axes)
         return out
 

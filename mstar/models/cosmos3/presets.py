@@ -31,9 +31,10 @@ The presets' tokenizer is the offline byte tokenizer (prompt.byte_tokenizer).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import field_values, split_fields
 
 from mstar.models.cosmos3.config import COSMOS3_EDGE_TRANSFORMER, TINY_COSMOS3_TRANSFORMER
 from mstar.models.presets import Preset
@@ -74,15 +75,13 @@ class Cosmos3Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Cosmos3Config":
-        raw = copy.deepcopy(dict(raw))
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: raw.pop(k) for k in list(raw) if k in known}
+        kw, raw = split_fields(cls, raw)
         if "sizes" in kw:
             kw["sizes"] = tuple(kw["sizes"])
         return cls(extra=raw, **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: copy.deepcopy(getattr(self, f)) for f in self.__dataclass_fields__ if f != "extra"}
+        out = field_values(self)
         out["sizes"] = list(self.sizes)
         return out
 

@@ -20,17 +20,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import split_fields
 
 MODEL_TYPE = "qwen3_tts"
 SUPPRESSED_TAIL = 1024  # the release's sampling never draws the last 1024 codec ids except EOS
-
-
-def _split(cls, raw: dict) -> tuple[dict, dict]:
-    """(the dataclass's fields, the rest) of `raw`."""
-    names = {f.name for f in fields(cls)} - {"extra"}
-    return {k: v for k, v in raw.items() if k in names}, {k: v for k, v in raw.items() if k not in names}
 
 
 def _check_decoder(c, what: str) -> None:
@@ -66,7 +62,7 @@ class CodePredictorConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "CodePredictorConfig":
-        known, extra = _split(cls, copy.deepcopy(dict(raw)))
+        known, extra = split_fields(cls, raw)
         cfg = cls(**known, extra=extra)
         _check_decoder(cfg, "qwen3-tts code predictor")
         return cfg
@@ -110,7 +106,7 @@ class TalkerConfig:
     def from_dict(cls, raw: dict) -> "TalkerConfig":
         raw = copy.deepcopy(dict(raw))
         cp = CodePredictorConfig.from_dict(raw.pop("code_predictor_config", None) or {})
-        known, extra = _split(cls, raw)
+        known, extra = split_fields(cls, raw)
         for k in ("spk_id", "spk_is_dialect", "codec_language_id"):
             if known.get(k) is None:
                 known.pop(k, None)
@@ -170,7 +166,7 @@ class Qwen3TTSConfig:
         if mt != MODEL_TYPE:
             raise ValueError(f"not a Qwen3-TTS config: model_type {mt!r}")
         talker = TalkerConfig.from_dict(raw.pop("talker_config", None) or {})
-        known, extra = _split(cls, raw)
+        known, extra = split_fields(cls, raw)
         return cls(talker_config=talker, **known, extra=extra)
 
     @property

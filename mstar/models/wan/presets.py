@@ -23,9 +23,10 @@ weights any ids in the vocabulary do).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import field_values, split_fields
 
 from mstar.models.presets import Preset
 from mstar.models.wan.scheduler_config import WAN22_TI2V_5B_SCHEDULER
@@ -106,15 +107,13 @@ class WanConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "WanConfig":
-        raw = copy.deepcopy(dict(raw))
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: raw.pop(k) for k in list(raw) if k in known}
+        kw, raw = split_fields(cls, raw)
         if "sizes" in kw:
             kw["sizes"] = tuple(kw["sizes"])
         return cls(extra=raw, **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: copy.deepcopy(getattr(self, f)) for f in self.__dataclass_fields__ if f != "extra"}
+        out = field_values(self)
         out["sizes"] = list(self.sizes)
         return out
 

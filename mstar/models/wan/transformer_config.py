@@ -29,9 +29,10 @@ unknown keys are kept in `extra`, not used.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import field_values, split_fields
 
 CLASS_NAME = "WanTransformer3DModel"
 QK_NORMS = ("rms_norm_across_heads",)
@@ -102,9 +103,7 @@ class WanTransformerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "WanTransformerConfig":
-        raw = {k: v for k, v in copy.deepcopy(dict(raw)).items() if not k.startswith("_")}
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: raw.pop(k) for k in list(raw) if k in known}
+        kw, raw = split_fields(cls, {k: v for k, v in raw.items() if not k.startswith("_")})
         if "patch_size" in kw:
             kw["patch_size"] = tuple(int(p) for p in kw["patch_size"])
         if not kw.get("out_channels", cls.out_channels):
@@ -115,7 +114,7 @@ class WanTransformerConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The diffusers keys (WanTransformer3DModel(**to_dict()) builds the same shape)."""
-        out = {f: copy.deepcopy(getattr(self, f)) for f in self.__dataclass_fields__ if f != "extra"}
+        out = field_values(self)
         out["patch_size"] = list(self.patch_size)
         return out
 

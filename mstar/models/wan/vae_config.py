@@ -31,9 +31,10 @@ decoded video to [-1, 1], as the release does) are kept in `extra`, not used.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar.models.config_fields import field_values, split_fields
 
 CLASS_NAME = "AutoencoderKLWan"
 
@@ -118,16 +119,14 @@ class WanVAEConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "WanVAEConfig":
-        raw = {k: copy.deepcopy(v) for k, v in dict(raw).items() if not k.startswith("_")}
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        kw = {k: raw.pop(k) for k in list(raw) if k in known}
+        kw, raw = split_fields(cls, {k: v for k, v in raw.items() if not k.startswith("_")})
         cfg = cls(extra=raw, **kw)
         cfg.check()
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         """The diffusers constructor keys (AutoencoderKLWan(**cfg.to_dict()) builds the same model)."""
-        return {f: copy.deepcopy(getattr(self, f)) for f in self.__dataclass_fields__ if f != "extra"}
+        return field_values(self)
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
