@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.models.config_fields import field_values, split_fields
-
 from mstar.models.cosmos3.config import COSMOS3_EDGE_TRANSFORMER, TINY_COSMOS3_TRANSFORMER
 from mstar.models.presets import Preset
 from mstar.models.wan.scheduler_config import FLOW_SIGMAS_NATIVE, WAN22_TI2V_5B_SCHEDULER

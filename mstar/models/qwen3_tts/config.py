@@ -17,7 +17,6 @@ scaling other than the default are refused: no release uses them.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -104,7 +103,7 @@ class TalkerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TalkerConfig":
-        raw = copy.deepcopy(dict(raw))
+        raw = dict(raw)  # split_fields copies what it keeps
         cp = CodePredictorConfig.from_dict(raw.pop("code_predictor_config", None) or {})
         known, extra = split_fields(cls, raw)
         for k in ("spk_id", "spk_is_dialect", "codec_language_id"):
@@ -161,7 +160,7 @@ class Qwen3TTSConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Qwen3TTSConfig":
-        raw = copy.deepcopy(dict(raw))
+        raw = dict(raw)  # split_fields copies what it keeps
         mt = raw.get("model_type", MODEL_TYPE)
         if mt != MODEL_TYPE:
             raise ValueError(f"not a Qwen3-TTS config: model_type {mt!r}")

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.models.config_fields import field_values, split_fields
-
 from mstar.models.presets import Preset
 from mstar.models.wan.scheduler_config import WAN22_TI2V_5B_SCHEDULER
 from mstar.models.wan.transformer_config import TINY_WAN_TRANSFORMER, WAN22_TI2V_5B_TRANSFORMER
