@@ -51,11 +51,15 @@ def video_gap(served: np.ndarray, frames: np.ndarray, fps: float) -> tuple[float
     return mean_abs_diff(served, local), mean_abs_diff(local, frames)
 
 
-def is_video_of(served: np.ndarray, frames: np.ndarray, fps: float) -> bool:
+def _judge(served: np.ndarray, frames: np.ndarray, fps: float) -> tuple[bool, str]:
     gap, loss = video_gap(served, frames, fps)
-    return gap < max(1.0, loss / 2)
+    return gap < max(1.0, loss / 2), f"served video {gap:.2f} levels from the frames' encode, which loses {loss:.2f}"
+
+
+def is_video_of(served: np.ndarray, frames: np.ndarray, fps: float) -> bool:
+    return _judge(served, frames, fps)[0]
 
 
 def assert_video_of(served: np.ndarray, frames: np.ndarray, fps: float) -> None:
-    gap, loss = video_gap(served, frames, fps)
-    assert gap < max(1.0, loss / 2), f"served video {gap:.2f} levels from the frames' encode, which loses {loss:.2f}"
+    ok, why = _judge(served, frames, fps)
+    assert ok, why
